@@ -1,0 +1,203 @@
+"""Data-parallel wrapper: one contiguous gradient buffer, bucketed all-reduce overlapped with backward.
+
+Every trainable parameter gets ``param.main_grad``, a view into one flat buffer.
+When a parameter's dtype equals the buffer's (fp32 training), ``param.grad`` *is*
+that view, so autograd accumulates straight into the buffer and no second
+gradient copy exists. 16-bit parameters get their gradient added into the fp32
+buffer by a post-accumulate hook, which then frees ``param.grad``.
+
+The buffer is laid out in reverse parameter order (roughly the order backward
+produces gradients) and cut into buckets of about ``bucket_size`` elements. On
+the last micro-batch of a step, a bucket's all-reduce is launched asynchronously
+as soon as all of its parameters have their gradient, so communication overlaps
+the rest of backward; ``finish_grad_sync()`` waits for all of them.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class GradBucket:
+    """Consecutive parameters whose gradients are all-reduced together as one slice of the buffer."""
+
+    def __init__(self, params: list[nn.Parameter], grad_data: torch.Tensor):
+        self.params = params
+        self.grad_data = grad_data
+        self.param_ids = {id(p) for p in params}
+        self.ready: set[int] = set()  # ids of params whose last-micro-batch gradient has arrived
+        self.launched = False
+        self.handle: dist.Work | None = None
+
+    def reset(self) -> None:
+        self.ready.clear()
+        self.launched = False
+        self.handle = None
+
+
+class DistributedDataParallel(nn.Module):
+    """Wraps ``module``; gradients are averaged over ``data_parallel_group`` (None: a single process).
+
+    Per step: run the micro-batches' backwards inside ``no_sync()`` except the
+    last one, then call ``finish_grad_sync()`` before the optimizer step, and
+    ``zero_grad_buffer()`` (or the optimizer's ``zero_grad()``) before the next.
+    """
+
+    def __init__(self, module: nn.Module, data_parallel_group: dist.ProcessGroup | None,
+                 bucket_size: int = 40_000_000, grad_dtype: torch.dtype = torch.float32,
+                 overlap_grad_reduce: bool = True):
+        super().__init__()
+        if bucket_size < 1:
+            raise ValueError(f"bucket_size must be >= 1 element (got {bucket_size})")
+        self.module = module
+        self.data_parallel_group = data_parallel_group
+        self.dp_size = 1 if data_parallel_group is None else dist.get_world_size(data_parallel_group)
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.is_last_microbatch = True
+        self._next_bucket = 0  # buckets before this index have their all-reduce launched
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]  # shared params listed once
+        self._names = {id(p): n for n, p in named}
+        params = [p for _, p in named]
+        self._check_params(params, grad_dtype)
+        device = params[0].device if params else torch.device("cpu")
+        self.grad_buffer = torch.zeros(sum(p.numel() for p in params), dtype=grad_dtype, device=device)
+        self.buckets = self._build_buckets(params, bucket_size)
+        self._bucket_of = {pid: b for b in self.buckets for pid in b.param_ids}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_accumulated) for p in params]
+        self.broadcast_params()
+
+    # ----- construction -----
+    def _check_params(self, params: list[nn.Parameter], grad_dtype: torch.dtype) -> None:
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            raise ValueError(f"parameters are spread over devices {sorted(map(str, devices))}; move the module to "
+                             "one device before wrapping it in DistributedDataParallel")
+        for p in params:
+            name = self._names[id(p)]
+            if hasattr(p, "main_grad"):
+                raise ValueError(f"parameter {name} already has a main_grad: the module is wrapped in "
+                                 "DistributedDataParallel twice; wrap it once")
+            if p.dtype != grad_dtype and torch.finfo(grad_dtype).bits < torch.finfo(p.dtype).bits:
+                raise ValueError(f"grad_dtype {grad_dtype} is less precise than parameter {name} ({p.dtype}); "
+                                 "use grad_dtype=torch.float32")
+
+    def _build_buckets(self, params: list[nn.Parameter], bucket_size: int) -> list[GradBucket]:
+        buckets, members, start, offset = [], [], 0, 0
+
+        def close() -> None:
+            nonlocal members, start
+            buckets.append(GradBucket(members, self.grad_buffer[start:offset]))
+            members, start = [], offset
+
+        for p in reversed(params):  # backward produces the last parameters' gradients first
+            p.main_grad = self.grad_buffer[offset:offset + p.numel()].view_as(p)
+            if p.dtype == self.grad_buffer.dtype:
+                p.grad = p.main_grad  # autograd accumulates into the buffer in place: no second copy
+            members.append(p)
+            offset += p.numel()
+            if offset - start >= bucket_size:
+                close()
+        if members:
+            close()
+        return buckets
+
+    @torch.no_grad()
+    def broadcast_params(self) -> None:
+        """Make every data-parallel replica start from data-parallel rank 0's weights."""
+        if self.dp_size == 1:
+            return
+        for p in self.module.parameters():
+            dist.broadcast(p.data, group=self.data_parallel_group, group_src=0)
+
+    # ----- backward hook -----
+    def _on_grad_accumulated(self, param: nn.Parameter) -> None:
+        bucket = self._bucket_of[id(param)]
+        name = self._names[id(param)]
+        if bucket.launched:
+            raise RuntimeError(
+                f"gradient of {name} arrived after its bucket's all-reduce was launched: either the previous step's "
+                "gradients were not cleared (call zero_grad_buffer() or optimizer.zero_grad() before backward), or "
+                "the parameter received two gradients in one backward (use torch.utils.checkpoint with "
+                "use_reentrant=False)")
+        if param.dtype == self.grad_buffer.dtype:
+            if param.grad.data_ptr() != param.main_grad.data_ptr():
+                raise RuntimeError(f"gradient of {name} no longer lives in the DDP grad buffer (was .grad set to "
+                                   "None, e.g. by module.zero_grad()?); clear gradients with zero_grad_buffer() "
+                                   "or optimizer.zero_grad() instead")
+        else:
+            param.main_grad.add_(param.grad)
+            param.grad = None
+        if self.is_last_microbatch and self.overlap_grad_reduce:
+            bucket.ready.add(id(param))
+            self._launch_next_buckets(only_ready=True)
+
+    def _launch_next_buckets(self, only_ready: bool) -> None:
+        """Launch in bucket order, so every data-parallel rank issues its collectives in the same order."""
+        while self._next_bucket < len(self.buckets):
+            bucket = self.buckets[self._next_bucket]
+            if only_ready and len(bucket.ready) < len(bucket.param_ids):
+                return
+            if self.dp_size > 1:
+                bucket.grad_data.div_(self.dp_size)  # sum of (grad / dp) = data-parallel mean
+                bucket.handle = dist.all_reduce(bucket.grad_data, group=self.data_parallel_group, async_op=True)
+            bucket.launched = True
+            self._next_bucket += 1
+
+    # ----- step protocol -----
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside only accumulate (all micro-batches of a step but the last)."""
+        self.is_last_microbatch = False
+        try:
+            yield
+        finally:
+            self.is_last_microbatch = True
+
+    def start_grad_sync(self) -> None:
+        """Launch the all-reduce of every bucket not launched yet (e.g. parameters that got no gradient)."""
+        self._launch_next_buckets(only_ready=False)
+
+    def finish_grad_sync(self) -> None:
+        """After the step's last backward: every ``main_grad`` holds the data-parallel mean gradient."""
+        self.start_grad_sync()
+        for bucket in self.buckets:
+            if bucket.handle is not None:
+                bucket.handle.wait()
+                bucket.handle = None
+
+    def zero_grad_buffer(self) -> None:
+        """Zero all gradients (one memset of the buffer) and get ready for the next step."""
+        for bucket in self.buckets:
+            if bucket.handle is not None:  # never zero a slice a collective is still writing into
+                bucket.handle.wait()
+            bucket.reset()
+        self._next_bucket = 0
+        self.grad_buffer.zero_()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients live in the shared buffer, so they are zeroed, never set to None."""
+        self.zero_grad_buffer()
+
+    # ----- transparent wrapper -----
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)
+
+    def state_dict(self, *args, **kwargs):
+        """The wrapped module's keys, without a ``module.`` prefix (checkpoints do not depend on the wrapper)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        return self.module.load_state_dict(state_dict, strict=strict)

@@ -1,0 +1,39 @@
+"""Global gradient L2 norm across model-parallel ranks, and clipping by it."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def get_grad_norm_fp32(grads: list[torch.Tensor], model_parallel_group: dist.ProcessGroup | None,
+                       device: torch.device | str = "cpu") -> float:
+    """L2 norm of ``grads`` over every rank of ``model_parallel_group`` (None: this process only).
+
+    ``grads`` must already exclude tensor-parallel duplicates and shared copies so
+    that every gradient element of the model is counted exactly once. Every rank
+    of the group must call this, even with an empty list (``device`` then says
+    where the partial sum lives for the all-reduce).
+    """
+    if grads:
+        norms = torch._foreach_norm([g.float() for g in grads], 2)
+        total_sq = torch.stack(norms).square().sum().reshape(1)
+    else:
+        total_sq = torch.zeros(1, dtype=torch.float32, device=device)
+    if model_parallel_group is not None and dist.get_world_size(model_parallel_group) > 1:
+        dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=model_parallel_group)
+    return float(total_sq.sqrt())
+
+
+def clip_grad_by_total_norm_fp32(params_or_grads: list[torch.Tensor], max_norm: float, total_norm: float) -> None:
+    """Scale gradients in place by ``max_norm / total_norm`` when that is below 1.
+
+    Accepts parameters (their ``.grad`` is clipped; those without one are
+    skipped) or gradient tensors. Pass *all* gradients here, duplicates included:
+    only the norm computation leaves duplicates out.
+    """
+    grads = [t.grad if isinstance(t, nn.Parameter) else t for t in params_or_grads]
+    grads = [g for g in grads if g is not None]
+    clip_coeff = max_norm / (total_norm + 1e-6)
+    if grads and clip_coeff < 1.0:
+        torch._foreach_mul_(grads, clip_coeff)

@@ -1,0 +1,180 @@
+"""Process-group registry for the tensor x data x pipeline mesh.
+
+Rank order follows Megatron-LM: tensor-parallel ranks are adjacent (fastest
+varying), then data-parallel, then pipeline stages:
+
+    global_rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+This module holds the only mutable global state of the trainer: the groups are
+created once per process by :func:`initialize_model_parallel` and then looked up.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+
+class ParallelConfigError(ValueError):
+    """A mesh or batch size that cannot work; the message says how to fix it."""
+
+
+@dataclass
+class _Groups:
+    tp: int
+    pp: int
+    dp: int
+    tp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    mp_group: dist.ProcessGroup  # tp x pp: everything that holds a different part of one model replica
+    embedding_group: dist.ProcessGroup | None  # first + last stage of this pipeline (tied embeddings)
+    pp_ranks: list[int] = field(default_factory=list)  # global ranks of this rank's pipeline, stage order
+    dp_ranks: list[int] = field(default_factory=list)
+    tp_ranks: list[int] = field(default_factory=list)
+
+
+_GROUPS: _Groups | None = None
+
+
+def mesh_sizes(world_size: int, tensor_model_parallel_size: int, pipeline_model_parallel_size: int) -> int:
+    """Return the data-parallel size, or raise a clear error when the mesh does not divide the world."""
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
+        raise ParallelConfigError(f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) "
+                                  "must be >= 1")
+    if world_size % (tp * pp) != 0:
+        raise ParallelConfigError(
+            f"world size {world_size} is not divisible by tensor-parallel size {tp} x pipeline-parallel size {pp} "
+            f"= {tp * pp}; launch a multiple of {tp * pp} processes or change the parallel sizes")
+    return world_size // (tp * pp)
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                              timeout: datetime.timedelta | None = None) -> None:
+    """Create every process group of the mesh. All ranks must call this, in the same order."""
+    global _GROUPS
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed must be initialised before initialize_model_parallel()")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    dp = mesh_sizes(world, tp, pp)
+    kw = {"timeout": timeout} if timeout is not None else {}
+
+    def rank_of(p: int, d: int, t: int) -> int:
+        return p * dp * tp + d * tp + t
+
+    found: dict[str, tuple[dist.ProcessGroup | None, list[int]]] = {}
+
+    def make(name: str, ranks: list[int]) -> None:
+        group = dist.new_group(ranks, **kw)  # collective over the world: every rank creates every group
+        if rank in ranks:
+            found[name] = (group, ranks)
+
+    for p in range(pp):
+        for d in range(dp):
+            make("tp", [rank_of(p, d, t) for t in range(tp)])
+    for p in range(pp):
+        for t in range(tp):
+            make("dp", [rank_of(p, d, t) for d in range(dp)])
+    for d in range(dp):
+        for t in range(tp):
+            make("pp", [rank_of(p, d, t) for p in range(pp)])
+    for d in range(dp):
+        make("mp", [rank_of(p, d, t) for p in range(pp) for t in range(tp)])
+    for d in range(dp):
+        for t in range(tp):
+            if pp > 1:
+                make("emb", [rank_of(0, d, t), rank_of(pp - 1, d, t)])
+
+    emb = found.get("emb", (None, []))[0]
+    _GROUPS = _Groups(tp=tp, pp=pp, dp=dp, tp_group=found["tp"][0], dp_group=found["dp"][0],
+                      pp_group=found["pp"][0], mp_group=found["mp"][0], embedding_group=emb,
+                      pp_ranks=found["pp"][1], dp_ranks=found["dp"][1], tp_ranks=found["tp"][1])
+
+
+def model_parallel_is_initialized() -> bool:
+    return _GROUPS is not None
+
+
+def destroy_model_parallel() -> None:
+    global _GROUPS
+    _GROUPS = None
+
+
+def _g() -> _Groups:
+    if _GROUPS is None:
+        raise RuntimeError("model parallel groups are not initialised; call initialize_model_parallel() first")
+    return _GROUPS
+
+
+def get_tensor_model_parallel_group() -> dist.ProcessGroup:
+    return _g().tp_group
+
+
+def get_data_parallel_group() -> dist.ProcessGroup:
+    return _g().dp_group
+
+
+def get_pipeline_model_parallel_group() -> dist.ProcessGroup:
+    return _g().pp_group
+
+
+def get_model_parallel_group() -> dist.ProcessGroup:
+    return _g().mp_group
+
+
+def get_embedding_group() -> dist.ProcessGroup | None:
+    return _g().embedding_group
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return _g().tp
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return _g().pp
+
+
+def get_data_parallel_world_size() -> int:
+    return _g().dp
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return _g().tp_ranks.index(dist.get_rank())
+
+
+def get_data_parallel_rank() -> int:
+    return _g().dp_ranks.index(dist.get_rank())
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return _g().pp_ranks.index(dist.get_rank())
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """Global rank of tp_rank 0 in this rank's tensor-parallel group."""
+    return _g().tp_ranks[0]
+
+
+def is_pipeline_first_stage() -> bool:
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage() -> bool:
+    return get_pipeline_model_parallel_rank() == _g().pp - 1
+
+
+def get_pipeline_model_parallel_next_rank() -> int:
+    ranks = _g().pp_ranks
+    return ranks[(ranks.index(dist.get_rank()) + 1) % len(ranks)]
+
+
+def get_pipeline_model_parallel_prev_rank() -> int:
+    ranks = _g().pp_ranks
+    return ranks[(ranks.index(dist.get_rank()) - 1) % len(ranks)]
+
+
+def get_pipeline_model_parallel_last_rank() -> int:
+    return _g().pp_ranks[-1]

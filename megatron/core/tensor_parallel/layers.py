@@ -1,0 +1,141 @@
+"""Tensor-parallel layers: column- and row-parallel linear, vocab-parallel embedding.
+
+Weights are initialised on the full (unpartitioned) shape with the caller's
+init function and then sliced, so a model has the same weights under every
+tensor-parallel size; this is what makes TP runs comparable to a single-process
+reference. Partitioned parameters carry ``tensor_model_parallel = True`` and
+``partition_dim`` so checkpoint tools can re-assemble them.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+
+InitMethod = Callable[[torch.Tensor], None]
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(f"{what} ({numerator}) is not divisible by tensor-parallel size ({denominator}); "
+                         f"choose sizes so that it divides")
+    return numerator // denominator
+
+
+def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool, partition_dim: int) -> None:
+    param.tensor_model_parallel = is_parallel
+    param.partition_dim = partition_dim
+
+
+def param_is_tensor_parallel_duplicate(param: torch.Tensor) -> bool:
+    """True for a replicated parameter on tp_rank > 0 (count it once in norms)."""
+    return not getattr(param, "tensor_model_parallel", False) and ps.get_tensor_model_parallel_rank() > 0
+
+
+@torch.no_grad()
+def initialize_partitioned_weight(weight: torch.Tensor, full_shape: tuple[int, ...], partition_dim: int,
+                                  init_method: InitMethod | None) -> None:
+    """Initialise the full weight with ``init_method`` and keep this rank's slice along ``partition_dim``."""
+    if init_method is None:
+        return
+    full = torch.empty(full_shape, dtype=torch.float32)
+    init_method(full)
+    world = ps.get_tensor_model_parallel_world_size()
+    shard = full.chunk(world, dim=partition_dim)[ps.get_tensor_model_parallel_rank()]
+    weight.copy_(shard)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A + b with A split by columns (output features) across tensor-parallel ranks."""
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = True, gather_output: bool = False,
+                 init_method: InitMethod | None = None, skip_bias_add: bool = False,
+                 params_dtype: torch.dtype = torch.float32, device: torch.device | None = None):
+        super().__init__()
+        world = ps.get_tensor_model_parallel_world_size()
+        self.input_size, self.output_size = input_size, output_size
+        self.output_size_per_partition = divide(output_size, world, "output size of a column-parallel layer")
+        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+        self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size,
+                                               dtype=params_dtype, device=device))
+        set_tensor_model_parallel_attributes(self.weight, True, 0)
+        initialize_partitioned_weight(self.weight, (output_size, input_size), 0, init_method)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, dtype=params_dtype, device=device))
+            set_tensor_model_parallel_attributes(self.bias, True, 0)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None):
+        """``weight`` overrides the layer's own (used for an output layer tied to the embedding)."""
+        weight = self.weight if weight is None else weight
+        x = copy_to_tensor_model_parallel_region(x)
+        bias = None if self.skip_bias_add else self.bias
+        out = F.linear(x, weight, bias)
+        if self.gather_output:
+            out = gather_from_tensor_model_parallel_region(out)
+        return (out, self.bias) if self.skip_bias_add else out
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A + b with A split by rows (input features); partial results are all-reduced."""
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = True, input_is_parallel: bool = True,
+                 init_method: InitMethod | None = None, skip_bias_add: bool = False,
+                 params_dtype: torch.dtype = torch.float32, device: torch.device | None = None):
+        super().__init__()
+        world = ps.get_tensor_model_parallel_world_size()
+        self.input_size, self.output_size = input_size, output_size
+        self.input_size_per_partition = divide(input_size, world, "input size of a row-parallel layer")
+        self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
+        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition,
+                                               dtype=params_dtype, device=device))
+        set_tensor_model_parallel_attributes(self.weight, True, 1)
+        initialize_partitioned_weight(self.weight, (output_size, input_size), 1, init_method)
+        if bias:
+            # Replicated: added once after the all-reduce.
+            self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
+            set_tensor_model_parallel_attributes(self.bias, False, 0)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor):
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x)
+        out = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight))
+        if self.skip_bias_add:
+            return out, self.bias
+        return out + self.bias if self.bias is not None else out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split along the vocabulary; each rank looks up the ids it owns."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, init_method: InitMethod | None = None,
+                 params_dtype: torch.dtype = torch.float32, device: torch.device | None = None):
+        super().__init__()
+        world = ps.get_tensor_model_parallel_world_size()
+        self.num_embeddings = num_embeddings
+        self.per_partition = divide(num_embeddings, world, "padded vocabulary size")
+        self.vocab_start = ps.get_tensor_model_parallel_rank() * self.per_partition
+        self.weight = nn.Parameter(torch.empty(self.per_partition, embedding_dim, dtype=params_dtype, device=device))
+        set_tensor_model_parallel_attributes(self.weight, True, 0)
+        initialize_partitioned_weight(self.weight, (num_embeddings, embedding_dim), 0, init_method)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ps.get_tensor_model_parallel_world_size() == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_start + self.per_partition)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_model_parallel_region(out)

@@ -1,0 +1,107 @@
+"""The shape and numerics of a GPT model, built once from the command line and passed explicitly."""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    padded_vocab_size: int
+    ffn_hidden_size: int | None = None  # default 4 * hidden
+    num_query_groups: int | None = None  # GQA; default = heads (plain multi-head attention)
+    kv_channels: int | None = None  # default hidden / heads
+    max_position_embeddings: int | None = None  # default seq_length
+    position_embedding_type: str = "learned_absolute"  # or "rope"
+    rotary_base: float = 10000.0
+    normalization: str = "LayerNorm"  # or "RMSNorm"
+    layernorm_epsilon: float = 1e-5
+    swiglu: bool = False
+    add_bias_linear: bool = True
+    untie_embeddings_and_output_weights: bool = False
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    recompute_granularity: str | None = None  # "full" or None
+    recompute_method: str = "uniform"  # uniform | block
+    recompute_num_layers: int = 1
+    seed: int = 1234
+
+    def __post_init__(self):
+        defaults = {
+            "ffn_hidden_size": 4 * self.hidden_size,
+            "num_query_groups": self.num_attention_heads,
+            "max_position_embeddings": self.seq_length,
+        }
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
+                                 f"{self.num_attention_heads}; set --kv-channels or change the sizes")
+            object.__setattr__(self, "kv_channels", self.hidden_size // self.num_attention_heads)
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
+                             f"--num-query-groups {self.num_query_groups}")
+        if self.position_embedding_type not in ("learned_absolute", "rope"):
+            raise ValueError(f"unknown --position-embedding-type {self.position_embedding_type!r}; "
+                             "use learned_absolute or rope")
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"unknown --normalization {self.normalization!r}; use LayerNorm or RMSNorm")
+        if self.precision not in _DTYPES:
+            raise ValueError(f"unknown precision {self.precision!r}")
+        if self.seq_length > self.max_position_embeddings and self.position_embedding_type == "learned_absolute":
+            raise ValueError(f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
+                             f"{self.max_position_embeddings}")
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return _DTYPES[self.precision]
+
+    def init_method(self, name: str, std: float | None = None) -> Callable[[torch.Tensor], None]:
+        """A normal init seeded by (seed, parameter name): the same weights under every TP/PP layout."""
+        std = self.init_method_std if std is None else std
+        seed = (self.seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+        def init(t: torch.Tensor) -> None:
+            t.normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
+        return init
+
+    def output_init_method(self, name: str) -> Callable[[torch.Tensor], None]:
+        """Projections into the residual stream get std / sqrt(2 * layers) (GPT-2 / Megatron)."""
+        return self.init_method(name, self.init_method_std / (2.0 * self.num_layers) ** 0.5)
+
+    def num_parameters(self, vocab_size: int | None = None) -> int:
+        """Parameters of the whole (unpartitioned) model."""
+        h, f, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
+        v = vocab_size or self.padded_vocab_size
+        d, nq, ng = self.kv_channels, self.num_attention_heads, self.num_query_groups
+        b = 1 if self.add_bias_linear else 0
+        attn = h * (nq + 2 * ng) * d + b * (nq + 2 * ng) * d + nq * d * h + b * h
+        mlp = (2 if self.swiglu else 1) * (h * f + b * f) + f * h + b * h
+        norms = 2 * h * (2 if self.normalization == "LayerNorm" else 1)
+        per_layer = attn + mlp + norms
+        emb = v * h + (self.max_position_embeddings * h if self.position_embedding_type == "learned_absolute" else 0)
+        head = v * h if self.untie_embeddings_and_output_weights else 0
+        final_norm = h * (2 if self.normalization == "LayerNorm" else 1)
+        return L * per_layer + emb + head + final_norm
+
+    def flops_per_token(self) -> float:
+        """Model FLOPs (forward + backward, no recompute) per token: 6 x matmul params + attention scores."""
+        h = self.hidden_size
+        pos = self.max_position_embeddings * h if self.position_embedding_type == "learned_absolute" else 0
+        lookup_only = self.padded_vocab_size * h if self.untie_embeddings_and_output_weights else 0
+        matmul_params = self.num_parameters() - pos - lookup_only
+        attention = 12 * self.num_layers * self.seq_length * self.num_attention_heads * self.kv_channels
+        return 6.0 * matmul_params + attention

@@ -1,0 +1,123 @@
+"""GPT language model, one pipeline stage of it at a time.
+
+The first stage embeds tokens (and learned positions), the last stage applies
+the final norm and the output layer and returns the per-token loss. With tied
+embeddings and several stages, the last stage keeps its own copy of the word
+embedding (initialised identically, marked ``shared``); the trainer sums the
+two copies' gradients over the embedding group so they stay equal.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RNGStatesTracker,
+    VocabParallelEmbedding,
+    gather_from_tensor_model_parallel_region,
+    vocab_parallel_cross_entropy,
+)
+from megatron.core.tensor_parallel.layers import initialize_partitioned_weight
+from megatron.core.transformer_config import TransformerConfig
+from megatron.model.rotary import rotary_cos_sin
+from megatron.model.transformer import TransformerBlock, build_norm
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
+    """(first global layer, number of layers) of a pipeline stage; layers must divide evenly."""
+    if num_layers % pp_size:
+        raise ValueError(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp_size}")
+    per = num_layers // pp_size
+    return pp_rank * per, per
+
+
+class Embedding(nn.Module):
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.word_embeddings = VocabParallelEmbedding(config.padded_vocab_size, config.hidden_size,
+                                                      init_method=config.init_method(WORD_EMBEDDING))
+        self.learned_positions = config.position_embedding_type == "learned_absolute"
+        if self.learned_positions:
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+            with torch.no_grad():
+                config.init_method("embedding.position_embeddings.weight")(self.position_embeddings.weight)
+        self.dropout = config.hidden_dropout
+
+    def forward(self, tokens, position_ids):
+        x = self.word_embeddings(tokens)
+        if self.learned_positions:
+            x = x + self.position_embeddings(position_ids)
+        return F.dropout(x, self.dropout, self.training)
+
+
+class GPTModel(nn.Module):
+    def __init__(self, config: TransformerConfig, *, pre_process: bool | None = None,
+                 post_process: bool | None = None, rng_tracker: RNGStatesTracker | None = None):
+        super().__init__()
+        self.config = config
+        self.pre_process = ps.is_pipeline_first_stage() if pre_process is None else pre_process
+        self.post_process = ps.is_pipeline_last_stage() if post_process is None else post_process
+        offset, count = stage_layers(config.num_layers, ps.get_pipeline_model_parallel_world_size(),
+                                     ps.get_pipeline_model_parallel_rank())
+        self.input_tensor: torch.Tensor | None = None
+
+        if self.pre_process:
+            self.embedding = Embedding(config)
+        self.decoder = TransformerBlock(config, offset, count, rng_tracker)
+        if self.post_process:
+            self.final_layernorm = build_norm(config)
+            tied = not config.untie_embeddings_and_output_weights
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, config.padded_vocab_size, bias=False,
+                init_method=None if tied else config.init_method("output_layer.weight"))
+            if tied and self.pre_process:
+                del self.output_layer.weight  # the head reads the embedding's weight
+                self.output_layer.register_parameter("weight", None)
+            elif tied:
+                # Last stage's copy of the tied word embedding: same init as the first stage's.
+                initialize_partitioned_weight(self.output_layer.weight, (config.padded_vocab_size, config.hidden_size),
+                                              0, config.init_method(WORD_EMBEDDING))
+                self.output_layer.weight.shared = True  # counted once (on the first stage) in the grad norm
+        self.to(config.params_dtype)
+
+    # ----- pipeline plumbing -----
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        """Activations received from the previous stage (ignored on the first stage)."""
+        self.input_tensor = tensor
+
+    def shared_embedding_weight(self) -> nn.Parameter | None:
+        """The word-embedding copy this stage holds that must stay tied to the other end of the pipeline."""
+        if self.config.untie_embeddings_and_output_weights or ps.get_pipeline_model_parallel_world_size() == 1:
+            return None
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self.post_process:
+            return self.output_layer.weight
+        return None
+
+    def _output_weight(self) -> torch.Tensor:
+        if self.output_layer.weight is not None:
+            return self.output_layer.weight
+        return self.embedding.word_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Returns hidden states [b, s, h] on non-last stages; per-token loss [b, s] (or logits) on the last."""
+        x = self.embedding(tokens, position_ids) if self.pre_process else self.input_tensor
+        rotary = None
+        if self.config.position_embedding_type == "rope":
+            cos, sin = rotary_cos_sin(self.config.seq_length, self.config.kv_channels, self.config.rotary_base,
+                                      x.device, x.dtype)
+            rotary = (cos[position_ids].unsqueeze(1), sin[position_ids].unsqueeze(1))
+        x = self.decoder(x, attention_mask, rotary)
+        if not self.post_process:
+            return x
+        logits = self.output_layer(self.final_layernorm(x), weight=self._output_weight())
+        if labels is None:
+            return gather_from_tensor_model_parallel_region(logits).float()
+        return vocab_parallel_cross_entropy(logits, labels)

@@ -1,0 +1,165 @@
+"""Transformer layers for GPT: attention, MLP, pre-norm residual layer, and the stack with recompute.
+
+Activations are [batch, seq, hidden]. Projections are tensor-parallel: QKV and
+the first MLP layer split their outputs (column-parallel), the attention output
+and the second MLP layer split their inputs (row-parallel), so each block costs
+one all-reduce forward and one backward.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, RNGStatesTracker, divide
+from megatron.core.transformer_config import TransformerConfig
+from megatron.model.rotary import apply_rotary
+
+
+def build_norm(config: TransformerConfig) -> nn.Module:
+    if config.normalization == "RMSNorm":
+        return nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
+    return nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped query heads; QKV fused per query group (Megatron's layout)."""
+
+    def __init__(self, config: TransformerConfig, prefix: str, rng_tracker: RNGStatesTracker | None):
+        super().__init__()
+        tp = ps.get_tensor_model_parallel_world_size()
+        self.config, self.rng_tracker = config, rng_tracker
+        self.head_dim = config.kv_channels
+        self.groups_per_rank = divide(config.num_query_groups, tp, "number of query groups")
+        self.q_per_group = config.num_attention_heads // config.num_query_groups
+        qkv_out = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
+        self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_out, bias=config.add_bias_linear,
+                                               init_method=config.init_method(prefix + "linear_qkv.weight"))
+        self.linear_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                             bias=config.add_bias_linear,
+                                             init_method=config.output_init_method(prefix + "linear_proj.weight"))
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None, rotary: tuple | None) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = self.linear_qkv(x).view(b, s, self.groups_per_rank, self.q_per_group + 2, self.head_dim)
+        q = qkv[:, :, :, : self.q_per_group].reshape(b, s, -1, self.head_dim).transpose(1, 2)
+        k = qkv[:, :, :, self.q_per_group].transpose(1, 2)
+        v = qkv[:, :, :, self.q_per_group + 1].transpose(1, 2)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if self.q_per_group > 1:
+            k = k.repeat_interleave(self.q_per_group, dim=1)
+            v = v.repeat_interleave(self.q_per_group, dim=1)
+        p = self.config.attention_dropout if self.training else 0.0
+        # Heads are partitioned across TP ranks, so their dropout masks must differ per rank.
+        fork = self.rng_tracker.fork() if (self.rng_tracker is not None and p > 0) else contextlib.nullcontext()
+        with fork:
+            if attention_mask is None:
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=p)
+        return self.linear_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: TransformerConfig, prefix: str):
+        super().__init__()
+        h, f, bias = config.hidden_size, config.ffn_hidden_size, config.add_bias_linear
+        self.swiglu = config.swiglu
+        self.linear_fc1 = ColumnParallelLinear(h, f, bias=bias, init_method=config.init_method(prefix + "linear_fc1.weight"))
+        if self.swiglu:
+            self.linear_fc1_gate = ColumnParallelLinear(
+                h, f, bias=bias, init_method=config.init_method(prefix + "linear_fc1_gate.weight"))
+        self.linear_fc2 = RowParallelLinear(f, h, bias=bias,
+                                            init_method=config.output_init_method(prefix + "linear_fc2.weight"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            hidden = F.silu(self.linear_fc1_gate(x)) * self.linear_fc1(x)
+        else:
+            hidden = F.gelu(self.linear_fc1(x))
+        return self.linear_fc2(hidden)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(x)))."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, rng_tracker: RNGStatesTracker | None):
+        super().__init__()
+        prefix = f"decoder.layers.{layer_number}."
+        self.layer_number = layer_number  # global index, 0-based
+        self.input_layernorm = build_norm(config)
+        self.self_attention = Attention(config, prefix + "self_attention.", rng_tracker)
+        self.pre_mlp_layernorm = build_norm(config)
+        self.mlp = MLP(config, prefix + "mlp.")
+        self.hidden_dropout = config.hidden_dropout
+
+    def forward(self, x, attention_mask, rotary):
+        attn = self.self_attention(self.input_layernorm(x), attention_mask, rotary)
+        x = x + F.dropout(attn, self.hidden_dropout, self.training)
+        return x + F.dropout(self.mlp(self.pre_mlp_layernorm(x)), self.hidden_dropout, self.training)
+
+
+def _recompute_context(rng_tracker: RNGStatesTracker | None):
+    """Replay the tracker's RNG streams during recompute so dropout masks match the first forward.
+
+    torch.utils.checkpoint restores the default generator itself; the tracker's
+    named streams are ours to restore.
+    """
+    if rng_tracker is None:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    snapshot = rng_tracker.get_states()
+
+    @contextlib.contextmanager
+    def replay():
+        current = rng_tracker.get_states()
+        rng_tracker.set_states(snapshot)
+        try:
+            yield
+        finally:
+            rng_tracker.set_states(current)
+    return contextlib.nullcontext(), replay()
+
+
+class TransformerBlock(nn.Module):
+    """The layers of one pipeline stage, with optional full activation recompute."""
+
+    def __init__(self, config: TransformerConfig, layer_offset: int, num_layers: int,
+                 rng_tracker: RNGStatesTracker | None):
+        super().__init__()
+        self.config, self.rng_tracker = config, rng_tracker
+        self.layers = nn.ModuleList(
+            TransformerLayer(config, layer_offset + i, rng_tracker) for i in range(num_layers))
+
+    def _run(self, start: int, end: int):
+        def run(x, attention_mask, rotary):
+            for layer in self.layers[start:end]:
+                x = layer(x, attention_mask, rotary)
+            return x
+        return run
+
+    def _checkpointed(self, start, end, x, attention_mask, rotary):
+        return checkpoint(self._run(start, end), x, attention_mask, rotary, use_reentrant=False,
+                          context_fn=lambda: _recompute_context(self.rng_tracker))
+
+    def forward(self, x, attention_mask=None, rotary=None):
+        cfg, n = self.config, len(self.layers)
+        if cfg.recompute_granularity != "full" or not self.training:
+            return self._run(0, n)(x, attention_mask, rotary)
+        k = cfg.recompute_num_layers
+        if cfg.recompute_method == "uniform":
+            # Checkpoint chunks of k layers: only chunk inputs are kept.
+            for start in range(0, n, k):
+                x = self._checkpointed(start, min(start + k, n), x, attention_mask, rotary)
+            return x
+        # "block": checkpoint the first k layers of the stage one by one, run the rest normally.
+        for i in range(n):
+            if i < k:
+                x = self._checkpointed(i, i + 1, x, attention_mask, rotary)
+            else:
+                x = self.layers[i](x, attention_mask, rotary)
+        return x

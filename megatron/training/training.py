@@ -1,0 +1,172 @@
+"""The training loop: set-up, train_step, periodic logging, evaluation and checkpoints.
+
+``pretrain`` is generic over the model: the entry script (pretrain_gpt.py)
+provides the model, the datasets and ``forward_step``, as in Megatron-LM.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import p2p_communication as p2p
+from megatron.core.pipeline_parallel.schedules import ForwardStepFunc, forward_backward
+from megatron.core.transformer_config import TransformerConfig
+from megatron.data import build_pretraining_data_loader
+from megatron.tokenizer import build_tokenizer
+from megatron.training.arguments import Config, transformer_config_from_args
+from megatron.training.backend import TrainingBackend, build_backend
+from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron.training.initialize import initialize_distributed, set_random_seed
+from megatron.training.lr_scheduler import scheduler_from_args
+from megatron.training.train_log import TrainLogger
+
+
+@dataclass
+class TrainResult:
+    iteration: int
+    losses: dict[int, float] = field(default_factory=dict)  # iteration -> DP-averaged lm loss (last stage only)
+    model: torch.nn.Module | None = None
+
+
+def num_samples(cfg: Config) -> tuple[int, int, int]:
+    """Samples each split must provide (Megatron's formulas)."""
+    t, gbs = cfg.train, cfg.parallel.global_batch_size
+    evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters > 0 else 0
+    return t.train_iters * gbs, evals * gbs, t.eval_iters * gbs
+
+
+def _cyclic(loader):
+    while True:
+        yield from loader
+
+
+def _average_losses(stats: list[dict], key: str = "lm loss") -> float | None:
+    """Mean over micro-batches here, then over data-parallel ranks (last stage only)."""
+    if not ps.is_pipeline_last_stage():
+        return None
+    local = torch.stack([s[key].float() for s in stats]).mean().reshape(1)
+    dist.all_reduce(local, group=ps.get_data_parallel_group())
+    return local.item() / ps.get_data_parallel_world_size()
+
+
+def train_step(backend: TrainingBackend, forward_step_func: ForwardStepFunc, data_iterator,
+               spec: p2p.TensorSpec, num_microbatches: int, lr: float):
+    backend.zero_grad()
+    stats = forward_backward(forward_step_func, data_iterator, backend.model, num_microbatches=num_microbatches,
+                             spec=spec, grad_scale_func=backend.scale_loss, no_sync=backend.no_sync)
+    backend.finish_grad_sync()
+    result = backend.step(lr)
+    return _average_losses(stats), result
+
+
+def evaluate(backend: TrainingBackend, forward_step_func: ForwardStepFunc, data_iterator, spec: p2p.TensorSpec,
+             num_microbatches: int, eval_iters: int) -> float | None:
+    backend.model.eval()
+    losses = []
+    with torch.no_grad():
+        for _ in range(eval_iters):
+            stats = forward_backward(forward_step_func, data_iterator, backend.model,
+                                     num_microbatches=num_microbatches, spec=spec, forward_only=True)
+            losses.append(_average_losses(stats))
+    backend.model.train()
+    return sum(losses) / len(losses) if ps.is_pipeline_last_stage() else None
+
+
+def checkpoint_args(cfg: Config, model_cfg: TransformerConfig) -> dict:
+    """The plain ``args`` dict stored in checkpoints (Megatron's names), as conversion tools expect."""
+    a = cfg.args
+    out = {k: v for k, v in vars(a).items() if isinstance(v, (int, float, str, bool, type(None)))}
+    out.update(
+        num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size, ffn_hidden_size=model_cfg.ffn_hidden_size,
+        num_attention_heads=model_cfg.num_attention_heads, num_query_groups=model_cfg.num_query_groups,
+        kv_channels=model_cfg.kv_channels, seq_length=model_cfg.seq_length,
+        max_position_embeddings=model_cfg.max_position_embeddings, padded_vocab_size=model_cfg.padded_vocab_size,
+        position_embedding_type=model_cfg.position_embedding_type, normalization=model_cfg.normalization,
+        swiglu=model_cfg.swiglu, add_bias_linear=model_cfg.add_bias_linear,
+        untie_embeddings_and_output_weights=model_cfg.untie_embeddings_and_output_weights,
+        layernorm_epsilon=model_cfg.layernorm_epsilon, rotary_base=model_cfg.rotary_base,
+        tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
+        data_parallel_size=cfg.parallel.data_parallel_size,
+    )
+    return out
+
+
+def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
+             forward_step_provider: Callable[..., ForwardStepFunc]) -> TrainResult:
+    """Train ``model_provider(model_cfg, rng_tracker)`` on ``datasets_provider(cfg, tokenizer, samples)``,
+    one micro-batch at a time through ``forward_step_provider(cfg, tokenizer)``."""
+    device = initialize_distributed(cfg.parallel)
+    rng_tracker = set_random_seed(cfg.train.seed, device)
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    model_cfg = transformer_config_from_args(cfg.args, tokenizer.vocab_size)
+    model = model_provider(model_cfg, rng_tracker).to(device)
+    backend = build_backend(cfg, model, device)
+    scheduler = scheduler_from_args(cfg.args, backend.optimizer, cfg.train.train_iters)
+    iteration, consumed = load_checkpoint(cfg.checkpoint, backend.model_for_checkpoint, backend.optimizer_for_checkpoint,
+                                          scheduler, rng_tracker)
+
+    forward_step_func = forward_step_provider(cfg, tokenizer)
+    train_ds, valid_ds, _ = datasets_provider(cfg, tokenizer, num_samples(cfg))
+    par, t = cfg.parallel, cfg.train
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    workers = cfg.data.num_workers
+    train_iter = iter(build_pretraining_data_loader(train_ds, consumed, par.micro_batch_size, dp_rank, dp_size, workers))
+    valid_iter = None
+    if valid_ds is not None and t.eval_iters > 0:
+        valid_consumed = (iteration // t.eval_interval) * t.eval_iters * par.global_batch_size
+        valid_iter = _cyclic(build_pretraining_data_loader(valid_ds, valid_consumed, par.micro_batch_size,
+                                                           dp_rank, dp_size, workers))
+
+    spec = p2p.TensorSpec((par.micro_batch_size, model_cfg.seq_length, model_cfg.hidden_size),
+                          model_cfg.params_dtype, device)
+    logger = TrainLogger(train_iters=t.train_iters, global_batch_size=par.global_batch_size,
+                         seq_length=model_cfg.seq_length, flops_per_token=model_cfg.flops_per_token(),
+                         world_size=dist.get_world_size(), device=device, tensorboard_dir=t.tensorboard_dir,
+                         is_logging_rank=dist.get_rank() == dist.get_world_size() - 1)
+    if logger.is_logging_rank:
+        print(f"> model: {model_cfg.num_parameters() / 1e6:.2f}M parameters, mesh TP={par.tensor_model_parallel_size} "
+              f"PP={par.pipeline_model_parallel_size} DP={par.data_parallel_size}, {par.num_microbatches} "
+              f"micro-batches of {par.micro_batch_size} per step, starting at iteration {iteration}", flush=True)
+    ckpt_args = checkpoint_args(cfg, model_cfg)
+
+    def save(it: int, consumed_samples: int) -> None:
+        save_checkpoint(cfg.checkpoint, it, backend.model_for_checkpoint, backend.optimizer_for_checkpoint,
+                        scheduler, consumed_samples=consumed_samples, args=ckpt_args, rng_tracker=rng_tracker)
+
+    result = TrainResult(iteration=iteration, model=model)
+    backend.model.train()
+    last_grad_norm = None
+    while iteration < t.train_iters:
+        lr = scheduler.get_lr()
+        loss, step = train_step(backend, forward_step_func, train_iter, spec, par.num_microbatches, lr)
+        if step.update_successful:
+            scheduler.step(1)
+        iteration += 1
+        consumed += par.global_batch_size
+        if loss is not None:
+            result.losses[iteration] = loss
+        logger.record(loss, not step.update_successful)
+        last_grad_norm = step.grad_norm if step.grad_norm is not None else last_grad_norm
+        if iteration % t.log_interval == 0:
+            logger.log(iteration, consumed, lr, step.loss_scale, last_grad_norm,
+                       backend.memory_tiers())
+        if valid_iter is not None and iteration % t.eval_interval == 0:
+            logger.log_eval(iteration, evaluate(backend, forward_step_func, valid_iter, spec,
+                                                par.num_microbatches, t.eval_iters))
+        if cfg.checkpoint.save and cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0:
+            save(iteration, consumed)
+        if t.exit_interval and iteration % t.exit_interval == 0:
+            break
+    if cfg.checkpoint.save and not (cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0):
+        save(iteration, consumed)
+    logger.close()
+    result.iteration = iteration
+    if any(not math.isfinite(v) for v in result.losses.values()) and logger.is_logging_rank:
+        print("WARNING: non-finite losses were seen during training", flush=True)
+    return result

@@ -1,0 +1,61 @@
+"""Pre-train a GPT model. Megatron-LM's flags; launch with torchrun (or plain python for one process).
+
+    torchrun --nproc-per-node 4 pretrain_gpt.py --tensor-model-parallel-size 2 --num-layers 12 ...
+"""
+from __future__ import annotations
+
+import sys
+from functools import partial
+
+import torch
+
+from megatron.core.tensor_parallel import RNGStatesTracker
+from megatron.core.transformer_config import TransformerConfig
+from megatron.data import build_train_valid_test_datasets, get_ltor_masks_and_position_ids
+from megatron.model.gpt_model import GPTModel
+from megatron.training.arguments import Config, ConfigError, parse_args
+from megatron.training.training import TrainResult, pretrain
+
+
+def model_provider(config: TransformerConfig, rng_tracker: RNGStatesTracker) -> GPTModel:
+    return GPTModel(config, rng_tracker=rng_tracker)
+
+
+def datasets_provider(cfg: Config, tokenizer, num_samples: tuple[int, int, int]):
+    return build_train_valid_test_datasets(cfg.data, tokenizer, cfg.args.seq_length, num_samples, cfg.args.seed,
+                                           vocab_size=tokenizer.vocab_size)
+
+
+def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    """Mean loss over the tokens that count (all but masked EOD positions)."""
+    loss_mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(per_token_loss.reshape(-1).float() * loss_mask) / loss_mask.sum().clamp(min=1)
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(cfg: Config, eod: int, data_iterator, model):
+    text = next(data_iterator)["text"].long()
+    device = next(model.parameters()).device
+    tokens, labels = text[:, :-1].contiguous().to(device), text[:, 1:].contiguous().to(device)
+    a = cfg.args
+    attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
+        tokens, eod, a.reset_position_ids, a.reset_attention_mask, a.eod_mask_loss)
+    output = model(tokens, position_ids, attention_mask, labels=labels)
+    return output, partial(loss_func, loss_mask)
+
+
+def forward_step_provider(cfg: Config, tokenizer):
+    return partial(forward_step, cfg, tokenizer.eod)
+
+
+def main(argv: list[str] | None = None) -> TrainResult:
+    try:
+        cfg = parse_args(argv)
+    except ConfigError as e:
+        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return pretrain(cfg, model_provider, datasets_provider, forward_step_provider)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Train pretrain_gpt.py in-process on N gloo ranks and collect losses and full (re-assembled) weights."""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from megatron.core import parallel_state as ps
+from tests.dist_utils import run_distributed
+
+TINY_GPT = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+            "--train-iters", "10", "--lr", "5e-3", "--min-lr", "5e-4", "--lr-decay-style", "cosine",
+            "--lr-warmup-iters", "2", "--weight-decay", "0.1", "--clip-grad", "1.0",
+            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+            "--make-vocab-size-divisible-by", "64", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--distributed-backend", "gloo", "--log-interval", "5", "--eval-iters", "0", "--num-workers", "0",
+            "--seed", "1234"]
+
+LLAMA_STYLE = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+               "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--num-query-groups", "2"]
+
+
+def _global_name(name: str, pp_rank: int, layers_per_stage: int) -> str:
+    m = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
+    if m:
+        return f"decoder.layers.{pp_rank * layers_per_stage + int(m.group(1))}.{m.group(2)}"
+    return name
+
+
+def _train_rank(rank: int, world: int, argv: list[str]) -> dict:
+    from pretrain_gpt import main
+
+    result = main(argv)
+    model = getattr(result.model, "module", result.model)
+    layers = int(argv[argv.index("--num-layers") + 1])
+    pp_rank, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    params = {}
+    for name, p in model.named_parameters():
+        if getattr(p, "shared", False):
+            continue  # the last stage's copy of the tied embedding; checked equal separately
+        dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+        params[_global_name(name, pp_rank, layers // pp)] = (p.detach().float().clone(), dim)
+    shared = model.shared_embedding_weight()
+    return {"losses": result.losses, "params": params, "tp": ps.get_tensor_model_parallel_rank(),
+            "dp": ps.get_data_parallel_rank(), "pp": pp_rank,
+            "shared": None if shared is None else shared.detach().float().clone()}
+
+
+def train(argv: list[str], world: int, timeout: float = 300) -> tuple[dict[int, float], dict[str, torch.Tensor], list]:
+    """Returns (losses by iteration, full weights by global name, raw per-rank outputs)."""
+    outs = run_distributed(_train_rank, world, argv, timeout=timeout)
+    losses = next(o["losses"] for o in outs if o["losses"])
+    for o in outs:  # every last-stage rank reports the same DP-averaged loss
+        if o["losses"]:
+            assert o["losses"] == losses
+    full: dict[str, torch.Tensor] = {}
+    tp_size = max(o["tp"] for o in outs) + 1
+    for name in {n for o in outs for n in o["params"]}:
+        holders = [o for o in outs if name in o["params"]]
+        for dp in {o["dp"] for o in holders}:
+            shards = sorted((o for o in holders if o["dp"] == dp), key=lambda o: o["tp"])
+            tensor, dim = shards[0]["params"][name]
+            if dim is None:
+                for s in shards[1:]:  # replicated across TP ranks: must agree
+                    torch.testing.assert_close(s["params"][name][0], tensor, rtol=0, atol=0)
+            else:
+                assert len(shards) == tp_size
+                tensor = torch.cat([s["params"][name][0] for s in shards], dim=dim)
+            if name in full:  # data-parallel replicas must agree
+                torch.testing.assert_close(tensor, full[name], rtol=0, atol=0)
+            full[name] = tensor
+    return losses, full, outs

@@ -1,0 +1,137 @@
+"""OptimizerParamScheduler: Megatron's closed-form lr / weight-decay schedules, checkpointing, flags."""
+import argparse
+import logging
+import math
+
+import pytest
+import torch
+
+from megatron.core.optimizer import OptimizerConfig, add_optimizer_args, get_megatron_optimizer
+from megatron.training.lr_scheduler import OptimizerParamScheduler, add_scheduler_args, scheduler_from_args
+
+MAX_LR, MIN_LR, INIT_LR, WARMUP, DECAY = 1e-3, 1e-4, 1e-5, 10, 110
+
+
+def _optimizer():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    return get_megatron_optimizer(OptimizerConfig(lr=MAX_LR, weight_decay=0.1), [model], None, None)
+
+
+def _scheduler(style, **kw):
+    args = dict(init_lr=INIT_LR, max_lr=MAX_LR, min_lr=MIN_LR, lr_warmup_steps=WARMUP, lr_decay_steps=DECAY,
+                lr_decay_style=style, start_wd=0.1, end_wd=0.1, wd_incr_steps=DECAY)
+    args.update(kw)
+    return OptimizerParamScheduler(_optimizer(), **args)
+
+
+def _lr_at(sched, step):
+    sched.step(step - sched.num_steps)
+    return sched.get_lr()
+
+
+def _expected(style, step):
+    if step <= WARMUP:
+        return INIT_LR + (MAX_LR - INIT_LR) * step / WARMUP
+    if style == "constant":
+        return MAX_LR
+    if step > DECAY:
+        return MIN_LR
+    ratio = (step - WARMUP) / (DECAY - WARMUP)
+    coeff = 1 - ratio if style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1)
+    return MIN_LR + coeff * (MAX_LR - MIN_LR)
+
+
+@pytest.mark.parametrize("style", ["constant", "linear", "cosine"])
+def test_lr_follows_closed_form(style):
+    sched = _scheduler(style)
+    assert sched.get_lr() == pytest.approx(INIT_LR, rel=1e-12)  # step 0 = start of warm-up
+    for step in [3, 5, 10, 35, 60, 85, 109, 110, 111, 500]:
+        assert _lr_at(sched, step) == pytest.approx(_expected(style, step), rel=1e-12, abs=1e-15), step
+    # Hand-computed anchors so the test does not only restate the code.
+    anchors = {"constant": {5: 5.05e-4, 60: 1e-3, 500: 1e-3},
+               "linear": {5: 5.05e-4, 60: 5.5e-4, 35: 1e-4 + 0.75 * 9e-4, 110: 1e-4, 500: 1e-4},
+               "cosine": {5: 5.05e-4, 60: 5.5e-4, 35: 1e-4 + 0.5 * (math.sqrt(0.5) + 1) * 9e-4, 110: 1e-4}}[style]
+    for step, lr in anchors.items():
+        assert _lr_at(sched, step) == pytest.approx(lr, rel=1e-9), (style, step)
+
+
+def test_param_groups_get_lr_and_decay_multipliers():
+    sched = _scheduler("linear")
+    sched.step(WARMUP)
+    groups = sched.optimizer.param_groups
+    assert [g["lr"] for g in groups] == [pytest.approx(MAX_LR)] * 2
+    decay = {g["wd_mult"]: g["weight_decay"] for g in groups}
+    assert decay == {1.0: pytest.approx(0.1), 0.0: 0.0}
+    assert all(p.ndim >= 2 for p in groups[0]["params"]) and all(p.ndim == 1 for p in groups[1]["params"])
+
+
+@pytest.mark.parametrize("style", ["linear", "cosine"])
+def test_weight_decay_increment(style):
+    sched = _scheduler("constant", start_wd=0.0, end_wd=0.2, wd_incr_steps=100, wd_incr_style=style)
+    for step, ratio in [(0, 0.0), (25, 0.25), (50, 0.5), (100, 1.0)]:
+        sched.step(step - sched.num_steps)
+        coeff = ratio if style == "linear" else 0.5 * (math.cos(math.pi * (1 - ratio)) + 1)
+        assert sched.get_wd() == pytest.approx(0.2 * coeff, abs=1e-12)
+        assert sched.optimizer.param_groups[0]["weight_decay"] == pytest.approx(0.2 * coeff, abs=1e-12)
+    sched.step(50)
+    assert sched.get_wd() == 0.2
+
+
+def test_state_dict_resumes_and_checkpoint_settings_win(caplog):
+    sched = _scheduler("cosine")
+    sched.step(42)
+    state = sched.state_dict()
+    resumed = _scheduler("cosine")
+    resumed.load_state_dict(state)
+    assert resumed.num_steps == 42 and resumed.get_lr() == sched.get_lr()
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(sched.get_lr())
+
+    changed = _scheduler("linear", max_lr=2e-3)
+    with caplog.at_level(logging.WARNING):
+        changed.load_state_dict(state)
+    assert changed.max_lr == MAX_LR and changed.lr_decay_style == "cosine"
+    assert "max_lr" in caplog.text and "lr_decay_style" in caplog.text
+    assert changed.get_lr() == pytest.approx(sched.get_lr())
+
+    kept = _scheduler("linear", max_lr=2e-3, override_opt_param_scheduler=True)
+    kept.load_state_dict(state)
+    assert kept.max_lr == 2e-3 and kept.lr_decay_style == "linear" and kept.num_steps == 42
+
+
+def test_bad_schedules_are_rejected():
+    with pytest.raises(ValueError, match="warm-up steps"):
+        _scheduler("linear", lr_warmup_steps=DECAY)
+    with pytest.raises(ValueError, match="lr-decay-style"):
+        _scheduler("exponential")
+    with pytest.raises(ValueError, match="constant needs equal"):
+        _scheduler("linear", start_wd=0.0, end_wd=0.1)
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser()
+    add_optimizer_args(parser)
+    add_scheduler_args(parser)
+    return parser.parse_args(["--lr", "1e-3", "--min-lr", "1e-4"] + argv)
+
+
+def test_scheduler_from_args():
+    sched = scheduler_from_args(_parse(["--lr-warmup-fraction", "0.1", "--lr-decay-style", "cosine"]),
+                                _optimizer(), train_iters=200)
+    assert (sched.lr_warmup_steps, sched.lr_decay_steps, sched.lr_decay_style) == (20, 200, "cosine")
+    assert sched.start_wd == sched.end_wd == 0.01 and sched.wd_incr_steps == 200
+
+    sched = scheduler_from_args(_parse(["--lr-warmup-iters", "5", "--lr-decay-iters", "50",
+                                        "--weight-decay-incr-style", "linear", "--start-weight-decay", "0.0",
+                                        "--end-weight-decay", "0.1"]), _optimizer(), train_iters=100)
+    assert (sched.lr_warmup_steps, sched.lr_decay_steps, sched.end_wd, sched.wd_incr_style) == (5, 50, 0.1, "linear")
+    sched.step(50)
+    assert sched.get_lr() == pytest.approx(1e-4) and sched.get_wd() == pytest.approx(0.05)
+
+
+def test_scheduler_from_args_errors():
+    with pytest.raises(ValueError, match="exclusive"):
+        scheduler_from_args(_parse(["--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"]), _optimizer(), 100)
+    with pytest.raises(ValueError, match="needs both"):
+        scheduler_from_args(_parse(["--weight-decay-incr-style", "cosine"]), _optimizer(), 100)
+    with pytest.raises(ValueError, match="incr-style linear or cosine"):
+        scheduler_from_args(_parse(["--end-weight-decay", "0.1"]), _optimizer(), 100)
