@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import os
 import sys
 from functools import partial
 
@@ -33,9 +34,8 @@ def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     return loss, {"lm loss": loss.detach()}
 
 
-def forward_step(cfg: Config, eod: int, data_iterator, model):
+def forward_step(cfg: Config, eod: int, device: torch.device, data_iterator, model):
     text = next(data_iterator)["text"].long()
-    device = next(model.parameters()).device
     tokens, labels = text[:, :-1].contiguous().to(device), text[:, 1:].contiguous().to(device)
     a = cfg.args
     attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
@@ -44,17 +44,21 @@ def forward_step(cfg: Config, eod: int, data_iterator, model):
     return output, partial(loss_func, loss_mask)
 
 
-def forward_step_provider(cfg: Config, tokenizer):
-    return partial(forward_step, cfg, tokenizer.eod)
+def forward_step_provider(cfg: Config, tokenizer, device: torch.device):
+    return partial(forward_step, cfg, tokenizer.eod, device)
 
 
 def main(argv: list[str] | None = None) -> TrainResult:
+    """Bad input anywhere in set-up (flags, DeepSpeed JSON) is one line on stderr and exit code 2."""
     try:
         cfg = parse_args(argv)
+        return pretrain(cfg, model_provider, datasets_provider, forward_step_provider)
     except ConfigError as e:
-        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
         raise SystemExit(2) from None
-    return pretrain(cfg, model_provider, datasets_provider, forward_step_provider)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
 #   bash examples/start.sh list       # print the table
 #
 # Environment overrides (Megatron example-script style):
-#   NPROC (processes on this node; default: GPUs, else 2)   HOSTFILE (multi-node, `host slots=N` lines)
+#   NPROC (processes on this node; default: GPUs, else 2)   HOSTFILE (multi-node, `host slots=N` lines;
+#   LAUNCH_ARGS passes ptm-launch options, e.g. "--master_port 6000")
 #   TP, PP (parallel sizes)   MBS, GBS (micro / global batch)   SEQ_LEN   TRAIN_ITERS   LR
 #   DATA_PATH (preprocessed prefix; default: build the sample corpus)   SAVE_DIR (checkpoints; also resumes)
 #   DS_CONFIG (DeepSpeed-style JSON: trains through the zero_cache engine)   EXTRA_ARGS (appended flags)
@@ -40,6 +41,10 @@ read -r _ LAYERS HIDDEN HEADS FFN TABLE_MBS <<<"$ROW"
 
 source scripts/bootstrap.sh
 
+if [ -n "${HOSTFILE:-}" ]; then
+  # All slots of all hosts take part: the data-parallel size follows from their sum.
+  NPROC="${NPROC:-$(awk '{sub(/#.*/, "")} /slots/ {sub(/.*slots[ \t]*=[ \t]*/, ""); n += $1} END {print n}' "$HOSTFILE")}"
+fi
 if python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   NPROC="${NPROC:-$(python -c 'import torch; print(torch.cuda.device_count())')}"; BACKEND=nccl; PREC="--bf16"
 else
@@ -82,6 +87,8 @@ ARGS+=(${EXTRA_ARGS:-})
 echo "[start.sh] size=$SIZE layers=$LAYERS hidden=$HIDDEN heads=$HEADS ffn=$FFN nproc=$NPROC TP=$TP PP=$PP DP=$DP mbs=$MBS gbs=$GBS seq=$SEQ_LEN"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}"
 if [ -n "${HOSTFILE:-}" ]; then
-  exec ptm-launch --hostfile "$HOSTFILE" pretrain_gpt.py "${ARGS[@]}"
+  # LAUNCH_ARGS: extra ptm-launch options, shell-quoted, e.g. "--master_port 6000 --launcher_args '-F ~/.ssh/cluster'"
+  mapfile -t LAUNCH < <(python -c 'import os, shlex; [print(a) for a in shlex.split(os.environ.get("LAUNCH_ARGS", ""))]')
+  exec ptm-launch --hostfile "$HOSTFILE" "${LAUNCH[@]}" pretrain_gpt.py "${ARGS[@]}"
 fi
 exec torchrun --standalone --nproc-per-node "$NPROC" pretrain_gpt.py "${ARGS[@]}"

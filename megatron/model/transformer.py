@@ -60,8 +60,8 @@ class Attention(nn.Module):
         with fork:
             if attention_mask is None:
                 out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-            else:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=p)
+            else:  # Megatron's mask marks what may NOT be attended; SDPA's marks what may
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=p)
         return self.linear_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 

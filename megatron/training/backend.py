@@ -17,6 +17,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.training.arguments import Config
+from megatron.training.checkpointing import CheckpointConfig, load_checkpoint, save_checkpoint
 
 
 @dataclass(frozen=True)
@@ -44,13 +45,13 @@ class MegatronBackend:
         self.optimizer = get_megatron_optimizer(cfg.optimizer, [model], ps.get_data_parallel_group(),
                                                 ps.get_model_parallel_group())
 
-    @property
-    def model_for_checkpoint(self) -> torch.nn.Module:
-        return self.module
+    def save_checkpoint(self, cfg: CheckpointConfig, iteration: int, scheduler, *, consumed_samples: int,
+                        args: dict, rng_tracker) -> None:
+        save_checkpoint(cfg, iteration, self.module, self.optimizer, scheduler, consumed_samples=consumed_samples,
+                        args=args, rng_tracker=rng_tracker)
 
-    @property
-    def optimizer_for_checkpoint(self):
-        return self.optimizer
+    def load_checkpoint(self, cfg: CheckpointConfig, scheduler, rng_tracker) -> tuple[int, int]:
+        return load_checkpoint(cfg, self.module, self.optimizer, scheduler, rng_tracker)
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
@@ -74,9 +75,14 @@ class MegatronBackend:
     def memory_tiers(self) -> dict[str, float]:
         return {}
 
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's (TP/PP-partitioned) weights, as fp32 copies."""
+        return {n: p.detach().float().clone() for n, p in self.module.named_parameters()}
 
-TrainingBackend = MegatronBackend
 
-
-def build_backend(cfg: Config, model: torch.nn.Module, device: torch.device) -> TrainingBackend:
+def build_backend(cfg: Config, model: torch.nn.Module):
+    """The zero_cache engine under --deepspeed, else Megatron's DDP + optimizer."""
+    if cfg.zero.enabled:
+        from megatron.training.zero_backend import ZeroBackend
+        return ZeroBackend(cfg, model)
     return MegatronBackend(cfg, model)

@@ -78,6 +78,8 @@ class OptimizerParamScheduler:
 
     def step(self, increment: int = 1) -> None:
         self.num_steps += increment
+        if self.optimizer is None:  # the caller passes get_lr() to its optimizer itself (zero_cache engine)
+            return
         lr, wd = self.get_lr(), self.get_wd()
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)

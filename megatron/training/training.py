@@ -5,6 +5,7 @@ provides the model, the datasets and ``forward_step``, as in Megatron-LM.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -18,9 +19,8 @@ from megatron.core.pipeline_parallel.schedules import ForwardStepFunc, forward_b
 from megatron.core.transformer_config import TransformerConfig
 from megatron.data import build_pretraining_data_loader
 from megatron.tokenizer import build_tokenizer
-from megatron.training.arguments import Config, transformer_config_from_args
-from megatron.training.backend import TrainingBackend, build_backend
-from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron.training.arguments import Config, ConfigError, transformer_config_from_args
+from megatron.training.backend import build_backend
 from megatron.training.initialize import initialize_distributed, set_random_seed
 from megatron.training.lr_scheduler import scheduler_from_args
 from megatron.training.train_log import TrainLogger
@@ -30,7 +30,10 @@ from megatron.training.train_log import TrainLogger
 class TrainResult:
     iteration: int
     losses: dict[int, float] = field(default_factory=dict)  # iteration -> DP-averaged lm loss (last stage only)
+    skipped_iterations: list[int] = field(default_factory=list)  # fp16 overflow / non-finite grad norm
+    loss_scales: dict[int, float] = field(default_factory=dict)
     model: torch.nn.Module | None = None
+    backend: object | None = None  # MegatronBackend or ZeroBackend: local_state_dict(), memory_tiers()
 
 
 def num_samples(cfg: Config) -> tuple[int, int, int]:
@@ -54,7 +57,7 @@ def _average_losses(stats: list[dict], key: str = "lm loss") -> float | None:
     return local.item() / ps.get_data_parallel_world_size()
 
 
-def train_step(backend: TrainingBackend, forward_step_func: ForwardStepFunc, data_iterator,
+def train_step(backend, forward_step_func: ForwardStepFunc, data_iterator,
                spec: p2p.TensorSpec, num_microbatches: int, lr: float):
     backend.zero_grad()
     stats = forward_backward(forward_step_func, data_iterator, backend.model, num_microbatches=num_microbatches,
@@ -64,7 +67,7 @@ def train_step(backend: TrainingBackend, forward_step_func: ForwardStepFunc, dat
     return _average_losses(stats), result
 
 
-def evaluate(backend: TrainingBackend, forward_step_func: ForwardStepFunc, data_iterator, spec: p2p.TensorSpec,
+def evaluate(backend, forward_step_func: ForwardStepFunc, data_iterator, spec: p2p.TensorSpec,
              num_microbatches: int, eval_iters: int) -> float | None:
     backend.model.eval()
     losses = []
@@ -100,18 +103,22 @@ def checkpoint_args(cfg: Config, model_cfg: TransformerConfig) -> dict:
 def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
              forward_step_provider: Callable[..., ForwardStepFunc]) -> TrainResult:
     """Train ``model_provider(model_cfg, rng_tracker)`` on ``datasets_provider(cfg, tokenizer, samples)``,
-    one micro-batch at a time through ``forward_step_provider(cfg, tokenizer)``."""
+    one micro-batch at a time through ``forward_step_provider(cfg, tokenizer, device)``."""
     device = initialize_distributed(cfg.parallel)
     rng_tracker = set_random_seed(cfg.train.seed, device)
-    tokenizer = build_tokenizer(cfg.tokenizer)
+    try:
+        tokenizer = build_tokenizer(cfg.tokenizer)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from None
     model_cfg = transformer_config_from_args(cfg.args, tokenizer.vocab_size)
-    model = model_provider(model_cfg, rng_tracker).to(device)
-    backend = build_backend(cfg, model, device)
+    # The zero_cache engine keeps fp32 masters itself and casts the compute copies: give it an fp32 model.
+    build_cfg = dataclasses.replace(model_cfg, precision="fp32") if cfg.zero.enabled else model_cfg
+    model = model_provider(build_cfg, rng_tracker).to(device)
+    backend = build_backend(cfg, model)
     scheduler = scheduler_from_args(cfg.args, backend.optimizer, cfg.train.train_iters)
-    iteration, consumed = load_checkpoint(cfg.checkpoint, backend.model_for_checkpoint, backend.optimizer_for_checkpoint,
-                                          scheduler, rng_tracker)
+    iteration, consumed = backend.load_checkpoint(cfg.checkpoint, scheduler, rng_tracker)
 
-    forward_step_func = forward_step_provider(cfg, tokenizer)
+    forward_step_func = forward_step_provider(cfg, tokenizer, device)
     train_ds, valid_ds, _ = datasets_provider(cfg, tokenizer, num_samples(cfg))
     par, t = cfg.parallel, cfg.train
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -136,10 +143,10 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
     ckpt_args = checkpoint_args(cfg, model_cfg)
 
     def save(it: int, consumed_samples: int) -> None:
-        save_checkpoint(cfg.checkpoint, it, backend.model_for_checkpoint, backend.optimizer_for_checkpoint,
-                        scheduler, consumed_samples=consumed_samples, args=ckpt_args, rng_tracker=rng_tracker)
+        backend.save_checkpoint(cfg.checkpoint, it, scheduler, consumed_samples=consumed_samples, args=ckpt_args,
+                                rng_tracker=rng_tracker)
 
-    result = TrainResult(iteration=iteration, model=model)
+    result = TrainResult(iteration=iteration, model=model, backend=backend)
     backend.model.train()
     last_grad_norm = None
     while iteration < t.train_iters:
@@ -151,6 +158,9 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
         consumed += par.global_batch_size
         if loss is not None:
             result.losses[iteration] = loss
+        if not step.update_successful:
+            result.skipped_iterations.append(iteration)
+        result.loss_scales[iteration] = step.loss_scale
         logger.record(loss, not step.update_successful)
         last_grad_norm = step.grad_norm if step.grad_norm is not None else last_grad_norm
         if iteration % t.log_interval == 0:

@@ -35,16 +35,18 @@ def _train_rank(rank: int, world: int, argv: list[str]) -> dict:
     model = getattr(result.model, "module", result.model)
     layers = int(argv[argv.index("--num-layers") + 1])
     pp_rank, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
-    params = {}
+    weights = result.backend.local_state_dict()
+    params, shared = {}, None
     for name, p in model.named_parameters():
         if getattr(p, "shared", False):
-            continue  # the last stage's copy of the tied embedding; checked equal separately
+            shared = weights[name]  # the last stage's copy of the tied embedding; checked equal separately
+            continue
         dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
-        params[_global_name(name, pp_rank, layers // pp)] = (p.detach().float().clone(), dim)
-    shared = model.shared_embedding_weight()
+        params[_global_name(name, pp_rank, layers // pp)] = (weights[name], dim)
+    if shared is None and model.shared_embedding_weight() is not None:
+        shared = weights["embedding.word_embeddings.weight"]
     return {"losses": result.losses, "params": params, "tp": ps.get_tensor_model_parallel_rank(),
-            "dp": ps.get_data_parallel_rank(), "pp": pp_rank,
-            "shared": None if shared is None else shared.detach().float().clone()}
+            "dp": ps.get_data_parallel_rank(), "pp": pp_rank, "shared": shared}
 
 
 def train(argv: list[str], world: int, timeout: float = 300) -> tuple[dict[int, float], dict[str, torch.Tensor], list]:

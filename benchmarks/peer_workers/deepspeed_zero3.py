@@ -1,0 +1,27 @@
+"""DeepSpeed ZeRO-3 on its CPU accelerator (DS_ACCELERATOR=cpu, gloo), given the same JSON as ours."""
+from __future__ import annotations
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from .harness import BenchSpec, param_groups
+
+
+class DeepSpeedTrainer:
+    def __init__(self, model: torch.nn.Module, spec: BenchSpec, gas: int, offload: bool):
+        deepspeed.init_distributed(dist_backend="gloo")  # adopts the process group the harness created
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, spec.weight_decay),
+                                               config=spec.ds_config(dist.get_world_size(), offload))
+        # DeepSpeed's rule for a parameter used outside its module's forward (the tied output head).
+        deepspeed.zero.register_external_parameter(model.output_layer, model.embedding.word_embeddings.weight)
+
+    def micro_batch(self, tokens, position_ids, labels, last: bool) -> torch.Tensor:
+        # DeepSpeed counts micro-batches itself and updates at its accumulation boundary: it must be ours.
+        if self.engine.is_gradient_accumulation_boundary() != last:
+            raise RuntimeError(f"DeepSpeed's accumulation boundary (micro step {self.engine.micro_steps}) is not "
+                               f"the harness's last micro-batch ({last}); check gradient_accumulation_steps")
+        loss = self.engine(tokens, position_ids, None, labels=labels).mean()
+        self.engine.backward(loss)  # / gradient_accumulation_steps
+        self.engine.step()
+        return loss.detach()

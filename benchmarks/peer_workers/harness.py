@@ -1,0 +1,168 @@
+"""What every system's worker shares: the spec, the model, the batches, the timed loop and peak RSS.
+
+Every system trains the same GPTModel (tensor/pipeline size 1, seeded per-parameter init, no dropout) on
+the same synthetic tokens with the same optimizer hyper-parameters, so their losses must agree; only the
+data-parallel machinery differs. A system is a ``Trainer``: ``micro_batch`` runs forward and backward of one
+micro-batch and, on the last micro-batch of a global batch, the optimizer update.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import psutil
+import torch
+import torch.distributed as dist
+
+BETAS = (0.9, 0.95)
+EPS = 1e-8
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=15)
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int  # the (already padded) vocabulary size of the model
+    seq: int
+    micro_batch: int
+    global_batch: int
+    steps: int  # timed steps, after the warm-up ones
+    warmup: int
+    lr: float
+    weight_decay: float
+    clip_grad: float
+    seed: int
+    page_size: int  # zero_cache's chunk size (allgather_bucket_size); DeepSpeed ignores the key in stage 3
+    threads: int  # intra-op threads per rank
+
+    @classmethod
+    def load(cls, path: str) -> "BenchSpec":
+        with open(path, encoding="utf-8") as f:
+            return cls(**json.load(f))
+
+    def save(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(dataclasses.asdict(self), f, indent=1)
+
+    def grad_accumulation(self, world: int) -> int:
+        if self.global_batch % (self.micro_batch * world):
+            raise ValueError(f"--global-batch {self.global_batch} is not divisible by --micro-batch "
+                             f"{self.micro_batch} x {world} ranks; choose sizes that divide")
+        return self.global_batch // (self.micro_batch * world)
+
+    def ds_config(self, world: int, offload: bool) -> dict:
+        """The one DeepSpeed-style JSON both ZeRO-3 engines (ours and DeepSpeed) are given; stage3_* at defaults."""
+        zero: dict = {"stage": 3, "allgather_bucket_size": self.page_size}
+        if offload:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+            zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+        return {
+            "train_batch_size": self.global_batch,
+            "train_micro_batch_size_per_gpu": self.micro_batch,
+            "gradient_accumulation_steps": self.grad_accumulation(world),
+            "gradient_clipping": self.clip_grad,
+            "steps_per_print": 1_000_000,
+            "optimizer": {"type": "AdamW", "params": {"lr": self.lr, "betas": list(BETAS), "eps": EPS,
+                                                      "weight_decay": self.weight_decay}},
+            "zero_optimization": zero,
+        }
+
+
+class Trainer(Protocol):
+    def micro_batch(self, tokens: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
+                    last: bool) -> torch.Tensor:
+        """Forward + backward of one micro-batch (+ the update when ``last``); returns the detached mean loss."""
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay on matrices only, as the trainer's backends do (no decay on biases and norms)."""
+    params = list(model.parameters())
+    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+
+
+def build_model(spec: BenchSpec) -> torch.nn.Module:
+    """Our GPTModel on one tensor/pipeline rank; every rank builds the same weights (seeded by name)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer_config import TransformerConfig
+    from megatron.model.gpt_model import GPTModel
+
+    ps.initialize_model_parallel(1, 1, timeout=COLLECTIVE_TIMEOUT)
+    cfg = TransformerConfig(num_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
+                            seq_length=spec.seq, padded_vocab_size=spec.vocab, hidden_dropout=0.0,
+                            attention_dropout=0.0, seed=spec.seed)
+    return GPTModel(cfg)
+
+
+def synthetic_tokens(spec: BenchSpec) -> torch.Tensor:
+    """[steps, global batch, seq + 1] tokens drawn from a Zipf-like unigram law (learnable, so the loss moves)."""
+    weights = 1.0 / torch.arange(1, spec.vocab + 1, dtype=torch.float64)
+    n = (spec.warmup + spec.steps) * spec.global_batch * (spec.seq + 1)
+    g = torch.Generator().manual_seed(spec.seed)
+    return torch.multinomial(weights, n, replacement=True, generator=g).view(
+        spec.warmup + spec.steps, spec.global_batch, spec.seq + 1)
+
+
+class PeakRss:
+    """Largest resident set size of this process, sampled with psutil by a daemon thread."""
+
+    def __init__(self, interval_s: float = 0.01):
+        self._proc = psutil.Process()
+        self.peak = self._proc.memory_info().rss
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+        return self.peak
+
+
+def run(spec: BenchSpec, system: str, make_trainer: Callable[[torch.nn.Module, BenchSpec, int], Trainer],
+        out_dir: str, rss: PeakRss) -> None:
+    """Build, train warm-up + timed steps, write ``result_rank{r}.json`` (step times and losses on every rank)."""
+    dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    torch.set_num_threads(spec.threads)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gas = spec.grad_accumulation(world)
+    start = time.perf_counter()
+    model = build_model(spec)
+    trainer = make_trainer(model, spec, gas)
+    setup_s = time.perf_counter() - start
+    tokens = synthetic_tokens(spec)
+    positions = torch.arange(spec.seq).expand(spec.micro_batch, spec.seq)
+    step_s, losses = [], []
+    for step in range(spec.warmup + spec.steps):
+        t0 = time.perf_counter()
+        total = torch.zeros(1, dtype=torch.float64)
+        for m in range(gas):
+            first = (m * world + rank) * spec.micro_batch
+            batch = tokens[step, first:first + spec.micro_batch]
+            total += trainer.micro_batch(batch[:, :-1], positions, batch[:, 1:], last=m == gas - 1).double()
+        dist.all_reduce(total)  # the global batch's mean loss; also lines the ranks up for timing
+        step_s.append(time.perf_counter() - t0)
+        losses.append(total.item() / (gas * world))
+        if rank == 0:
+            print(f"[{system}] step {step + 1}/{spec.warmup + spec.steps}: loss {losses[-1]:.6f}, "
+                  f"{step_s[-1]:.2f} s", flush=True)
+    dist.barrier()
+    result = {"system": system, "rank": rank, "world": world, "setup_s": setup_s, "step_s": step_s,
+              "losses": losses, "peak_rss": rss.stop(), "threads": torch.get_num_threads()}
+    with open(os.path.join(out_dir, f"result_rank{rank}.json"), "w", encoding="utf-8") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()

@@ -1,0 +1,26 @@
+"""Ours: the zero_cache ZeRO-3 engine, set up and driven as megatron/training/zero_backend.py does."""
+from __future__ import annotations
+
+import torch
+
+import zero_cache
+from megatron.core import parallel_state as ps
+
+from .harness import BenchSpec, param_groups
+
+
+class ZeroCacheTrainer:
+    def __init__(self, model: torch.nn.Module, spec: BenchSpec, gas: int, offload: bool):
+        world = ps.get_data_parallel_world_size()
+        self.engine = zero_cache.initialize(model, spec.ds_config(world, offload), dp_group=ps.get_data_parallel_group(),
+                                            model_parallel_group=ps.get_model_parallel_group(),
+                                            param_groups=param_groups(model, spec.weight_decay))
+        # The tied output head reads the embedding's weight outside the embedding module.
+        self.engine.register_external_parameter(model.output_layer, model.embedding.word_embeddings.weight)
+
+    def micro_batch(self, tokens, position_ids, labels, last: bool) -> torch.Tensor:
+        loss = self.engine(tokens, position_ids, None, labels=labels).mean()
+        self.engine.backward(loss)  # x loss_scale / gradient_accumulation_steps
+        if last:
+            self.engine.step()
+        return loss.detach()

@@ -1,0 +1,49 @@
+"""One rank of one system's benchmark job; launched by benchmarks/zero3_vs_peers.py under torchrun:
+
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.peer_workers.worker \
+        --impl ours --offload --spec spec.json --out-dir DIR
+
+Writes ``DIR/result_rank{r}.json``, or ``DIR/error_rank{r}.txt`` (the exception, one line) before failing.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import traceback
+
+from .harness import BenchSpec, PeakRss, run
+
+# --impl -> (module, trainer class); modules are imported lazily: DeepSpeed exists only in the peers' venv.
+IMPLS = {
+    "ours": ("ours", "ZeroCacheTrainer"),
+    "deepspeed": ("deepspeed_zero3", "DeepSpeedTrainer"),
+    "fsdp2": ("fsdp2", "Fsdp2Trainer"),
+    "ddp": ("ddp", "DdpTrainer"),
+}
+
+
+def main() -> None:
+    rss = PeakRss()  # first, so the peak covers imports, model build and engine set-up too
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--impl", choices=sorted(IMPLS), required=True)
+    p.add_argument("--offload", action="store_true", help="offload optimizer states and parameters to CPU")
+    p.add_argument("--system", required=True, help="row name in the table (for the log lines)")
+    p.add_argument("--spec", required=True, help="BenchSpec JSON written by the driver")
+    p.add_argument("--out-dir", required=True)
+    a = p.parse_args()
+    rank = os.environ.get("RANK", "0")
+    try:
+        module, cls = IMPLS[a.impl]
+        trainer_cls = getattr(importlib.import_module(f"{__package__}.{module}"), cls)
+        run(BenchSpec.load(a.spec), a.system, lambda model, spec, gas: trainer_cls(model, spec, gas, a.offload),
+            a.out_dir, rss)
+    except BaseException as e:
+        with open(os.path.join(a.out_dir, f"error_rank{rank}.txt"), "w", encoding="utf-8") as f:
+            f.write(f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__)
+            f.write("\n" + traceback.format_exc())
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Megatron's pretraining sampler and the data loader built on it (exact resume from consumed samples)."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+
+class MegatronPretrainingSampler:
+    """Batches of sample indices for one data-parallel rank, in Megatron's global order.
+
+    Samples are read consecutively from ``consumed_samples``; each global slice of
+    micro_batch_size * data_parallel_size samples is cut into one micro-batch per rank, in rank order.
+    Starting at a checkpoint's consumed-samples count therefore resumes exactly where training stopped.
+    """
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int, drop_last: bool = True):
+        if total_samples <= 0:
+            raise ValueError(f"no samples to consume: the dataset has {total_samples}")
+        if not 0 <= consumed_samples < total_samples:
+            raise ValueError(f"consumed_samples {consumed_samples} must be in [0, {total_samples}): the dataset "
+                             f"is exhausted; build it for more samples (more --train-iters or a larger blend)")
+        if micro_batch_size <= 0 or data_parallel_size <= 0 or not 0 <= data_parallel_rank < data_parallel_size:
+            raise ValueError(f"need micro_batch_size > 0 and 0 <= data_parallel_rank < data_parallel_size, got "
+                             f"{micro_batch_size}, {data_parallel_rank}, {data_parallel_size}")
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.data_parallel_rank = data_parallel_rank
+        self.global_slice = micro_batch_size * data_parallel_size
+        self.drop_last = drop_last
+
+    def __len__(self) -> int:
+        remaining = self.total_samples - self.consumed_samples
+        full, partial = divmod(remaining, self.global_slice)
+        return full + (1 if partial and not self.drop_last else 0)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        first = self.data_parallel_rank * self.micro_batch_size
+        for start in range(self.consumed_samples, self.total_samples, self.global_slice):
+            batch = list(range(start, min(start + self.global_slice, self.total_samples)))
+            if len(batch) < self.global_slice and self.drop_last:
+                return
+            yield batch[first:first + self.micro_batch_size]
+
+
+def build_pretraining_data_loader(dataset: torch.utils.data.Dataset | None, consumed_samples: int,
+                                  micro_batch_size: int, data_parallel_rank: int, data_parallel_size: int,
+                                  num_workers: int) -> torch.utils.data.DataLoader | None:
+    """A DataLoader whose batches are ``{"text": LongTensor[micro_batch_size, seq_length + 1]}``."""
+    if dataset is None:
+        return None
+    sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
+                                         data_parallel_rank, data_parallel_size)
+    # Its own generator: starting an iterator draws a worker seed, which must not advance the global
+    # RNG (dropout) stream, or a resumed run would diverge from the uninterrupted one.
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                                       generator=torch.Generator().manual_seed(consumed_samples),
+                                       pin_memory=torch.cuda.is_available(),
+                                       persistent_workers=num_workers > 0)

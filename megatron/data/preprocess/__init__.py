@@ -1,0 +1,1 @@
+"""JSONL -> Megatron .bin/.idx preprocessing (used by tools/preprocess_data.py)."""

@@ -1,0 +1,342 @@
+"""Save and load training checkpoints in Megatron-LM's layout.
+
+    <save>/latest_checkpointed_iteration.txt          the last complete iteration (written last)
+    <save>/iter_0000100/mp_rank_00/model_optim_rng.pt       PP = 1, one file per tensor-parallel rank
+    <save>/iter_0000100/mp_rank_00_000/model_optim_rng.pt   PP > 1, one file per (tp, pp) rank
+
+Data-parallel rank 0 of each (tp, pp) writes; the RNG states of all its
+data-parallel peers go into the file as a list so each restores its own. Files
+hold only tensors and plain Python values, so they load with
+``torch.load(..., weights_only=True)``. Each file is written to a temporary name
+and renamed; the tracker file is renamed into place only after every rank has
+written, so a crash mid-save leaves the previous checkpoint as the one loaded.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import random
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state as ps
+
+CHECKPOINT_VERSION = 3.0
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+MODEL_FILENAME = "model_optim_rng.pt"
+_MP_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or restored; the message names the file and the fix."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save: str | None
+    load: str | None
+    save_interval: int | None
+    no_save_optim: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+
+
+def add_checkpoint_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", type=str, default=None, help="directory to save checkpoints to")
+    g.add_argument("--load", type=str, default=None, help="directory to load the latest checkpoint from")
+    g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoint saves")
+    g.add_argument("--no-save-optim", action="store_true", help="do not save optimizer and scheduler state")
+    g.add_argument("--no-load-optim", action="store_true", help="do not load optimizer and scheduler state")
+    g.add_argument("--no-load-rng", action="store_true", help="do not load RNG states")
+    g.add_argument("--finetune", action="store_true",
+                   help="load model weights only; start at iteration 0 with fresh optimizer, scheduler and RNG")
+    return parser
+
+
+def checkpoint_config_from_args(args: argparse.Namespace) -> CheckpointConfig:
+    if args.save_interval is not None and args.save_interval < 1:
+        raise ValueError(f"--save-interval must be >= 1 (got {args.save_interval})")
+    return CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
+                            no_save_optim=args.no_save_optim, no_load_optim=args.no_load_optim,
+                            no_load_rng=args.no_load_rng, finetune=args.finetune)
+
+
+# ----- paths -----
+def tracker_path(root: str) -> str:
+    return os.path.join(root, TRACKER_FILENAME)
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def mp_rank_dirname(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def checkpoint_file(root: str, iteration: int, tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    return os.path.join(iteration_dir(root, iteration), mp_rank_dirname(tp_rank, pp_rank, pp_size), MODEL_FILENAME)
+
+
+def read_tracker(root: str) -> int | None:
+    """The iteration named by ``<root>/latest_checkpointed_iteration.txt``; None when there is none."""
+    path = tracker_path(root)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        text = f.read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{path} should hold an iteration number but holds {text!r}; "
+                              "fix or delete it (then the directory is treated as holding no checkpoint)")
+    return int(text)
+
+
+def saved_mesh(root: str, iteration: int) -> tuple[int, int]:
+    """(TP, PP) of a saved iteration, read from its ``mp_rank_*`` directory names."""
+    it_dir = iteration_dir(root, iteration)
+    if not os.path.isdir(it_dir):
+        raise CheckpointError(f"{tracker_path(root)} names iteration {iteration} but {it_dir} does not exist; "
+                              "restore that directory or point the tracker at an iteration that exists")
+    ranks = [m for m in (_MP_DIR.match(n) for n in os.listdir(it_dir)) if m]
+    if not ranks:
+        raise CheckpointError(f"{it_dir} holds no mp_rank_* directories; the checkpoint is incomplete")
+    tp = 1 + max(int(m.group(1)) for m in ranks)
+    pp = 1 + max(int(m.group(2) or 0) for m in ranks)
+    return tp, pp
+
+
+def write_atomic(obj: Any, path: str) -> None:
+    """torch.save to ``path`` via a temporary file in the same directory and an atomic rename."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it visible
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_tracker(root: str, iteration: int) -> None:
+    path = tracker_path(root)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(f"{iteration}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_file(path: str, *, mmap: bool = False) -> dict:
+    """Load one checkpoint file on the CPU with weights_only=True; a clear error if it is missing or corrupt."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file {path} does not exist; the checkpoint is incomplete "
+                              "(was it saved with a different tensor/pipeline-parallel size?)")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as e:  # torch raises several types for truncated / foreign files
+        raise CheckpointError(f"cannot read checkpoint file {path} ({type(e).__name__}: {e}); the file is "
+                              "corrupt or not a checkpoint: restore it or load an earlier iteration") from e
+
+
+# ----- plain values only -----
+def to_plain(obj: Any, where: str = "state") -> Any:
+    """Convert numpy values to tensors / Python numbers and reject anything weights_only=True cannot load."""
+    if isinstance(obj, torch.Tensor) or obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+        return obj
+    if isinstance(obj, (torch.dtype, torch.Size, torch.device)):
+        return obj
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj.astype(np.int64) if obj.dtype == np.uint32 else obj.copy())
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        out = collections.OrderedDict() if isinstance(obj, collections.OrderedDict) else {}
+        for k, v in obj.items():
+            out[k] = to_plain(v, f"{where}[{k!r}]")
+        return out
+    if isinstance(obj, (list, tuple)):
+        return (list if isinstance(obj, list) else tuple)(to_plain(v, f"{where}[{i}]") for i, v in enumerate(obj))
+    raise CheckpointError(f"{where} is a {type(obj).__name__}, which torch.load(weights_only=True) cannot read; "
+                          "store tensors, numbers, strings, lists or dicts instead")
+
+
+# ----- RNG -----
+def get_rng_state(rng_tracker=None) -> dict:
+    np_state = np.random.get_state()
+    state = {
+        "random_rng_state": list(random.getstate()),
+        "np_rng_state": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]),
+                         int(np_state[3]), float(np_state[4])],
+        "torch_rng_state": torch.get_rng_state(),
+        "rng_tracker_states": rng_tracker.get_states() if rng_tracker is not None else {},
+    }
+    if torch.cuda.is_available():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict, rng_tracker=None) -> None:
+    version, internal, gauss = state["random_rng_state"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["np_rng_state"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch_rng_state"])
+    if "cuda_rng_state" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    if rng_tracker is not None:
+        rng_tracker.set_states(state["rng_tracker_states"])
+
+
+# ----- mesh -----
+@dataclass(frozen=True)
+class _Mesh:
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+
+    def global_rank(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+        return pp_rank * self.dp * self.tp + dp_rank * self.tp + tp_rank  # parallel_state's rank order
+
+
+def _mesh() -> _Mesh:
+    if ps.model_parallel_is_initialized():
+        return _Mesh(ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                     ps.get_data_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
+                     ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError("checkpointing with several ranks needs initialize_model_parallel() first")
+    return _Mesh(1, 1, 1, 0, 0, 0)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """Strip data-parallel wrappers (``.module``) so keys are the model's own names."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def _gather_dp_rng_states(mesh: _Mesh, rng_tracker) -> list[dict]:
+    """Every rank's RNG state, gathered over the world; returns those of this rank's data-parallel peers."""
+    mine = get_rng_state(rng_tracker)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [mine]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return [everyone[mesh.global_rank(mesh.pp_rank, d, mesh.tp_rank)] for d in range(mesh.dp)]
+
+
+# ----- save / load -----
+def save_checkpoint(cfg: CheckpointConfig, iteration: int, model: torch.nn.Module, optimizer, scheduler, *,
+                    consumed_samples: int, args: dict, rng_tracker=None) -> str:
+    """Write ``<save>/iter_XXXXXXX`` for this rank's (tp, pp) and update the tracker. All ranks must call it.
+
+    ``optimizer.state_dict()`` and ``scheduler.state_dict()`` are called on every rank (they may be
+    collective); only data-parallel rank 0 of each (tp, pp) writes. Returns the iteration directory.
+    """
+    if not cfg.save:
+        raise CheckpointError("save_checkpoint() needs a directory: pass --save DIR")
+    mesh = _mesh()
+    state: dict[str, Any] = {
+        "args": to_plain(dict(args), "args"),
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": int(iteration),
+        "consumed_samples": int(consumed_samples),
+        "model": _unwrap(model).state_dict(),
+    }
+    if not cfg.no_save_optim:
+        if optimizer is not None:
+            state["optimizer"] = to_plain(optimizer.state_dict(), "optimizer state")
+        if scheduler is not None:
+            state["opt_param_scheduler"] = to_plain(scheduler.state_dict(), "scheduler state")
+    state["rng_state"] = to_plain(_gather_dp_rng_states(mesh, rng_tracker), "rng_state")
+    if mesh.dp_rank == 0:
+        write_atomic(state, checkpoint_file(cfg.save, iteration, mesh.tp_rank, mesh.pp_rank, mesh.pp))
+    _barrier()  # every file is in place before the tracker names this iteration
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        write_tracker(cfg.save, iteration)
+        print(f"> saved checkpoint at iteration {iteration} to {cfg.save}", flush=True)
+    _barrier()  # nobody reads or prunes checkpoints before the tracker is updated
+    return iteration_dir(cfg.save, iteration)
+
+
+def _check_mesh(root: str, iteration: int, mesh: _Mesh) -> None:
+    tp, pp = saved_mesh(root, iteration)
+    if (tp, pp) == (mesh.tp, mesh.pp):
+        return
+    saved = load_file(checkpoint_file(root, iteration, 0, 0, pp), mmap=True).get("args", {})
+    tp = saved.get("tensor_model_parallel_size", tp)
+    pp = saved.get("pipeline_model_parallel_size", pp)
+    raise CheckpointError(
+        f"checkpoint {iteration_dir(root, iteration)} was saved with tensor-parallel size {tp} and "
+        f"pipeline-parallel size {pp}, but this run uses {mesh.tp} and {mesh.pp}: relaunch with "
+        f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} (any data-parallel size works "
+        "with --no-load-rng), or export the weights with tools/checkpoint/convert_to_hf.py")
+
+
+def load_checkpoint(cfg: CheckpointConfig, model: torch.nn.Module, optimizer, scheduler,
+                    rng_tracker=None) -> tuple[int, int]:
+    """Restore the checkpoint named by ``<load>/latest_checkpointed_iteration.txt``.
+
+    Returns (iteration, consumed_samples); (0, 0) when there is nothing to load or with --finetune.
+    """
+    if not cfg.load:
+        return 0, 0
+    iteration = read_tracker(cfg.load)
+    if iteration is None:
+        print(f"> --load {cfg.load}: no {TRACKER_FILENAME} there, starting from scratch at iteration 0", flush=True)
+        return 0, 0
+    mesh = _mesh()
+    _check_mesh(cfg.load, iteration, mesh)
+    path = checkpoint_file(cfg.load, iteration, mesh.tp_rank, mesh.pp_rank, mesh.pp)
+    state = load_file(path)
+    try:
+        _unwrap(model).load_state_dict(state["model"], strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"the model in {path} does not fit this model ({e}); load it with the model "
+                              "arguments it was saved with (see its 'args')") from e
+
+    if optimizer is not None and not (cfg.no_load_optim or cfg.finetune):
+        if "optimizer" not in state:
+            raise CheckpointError(f"{path} has no optimizer state (saved with --no-save-optim); "
+                                  "pass --no-load-optim or --finetune")
+        optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None and not (cfg.no_load_optim or cfg.finetune):
+        if "opt_param_scheduler" not in state:
+            raise CheckpointError(f"{path} has no scheduler state (saved with --no-save-optim); "
+                                  "pass --no-load-optim or --finetune")
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+    if not (cfg.no_load_rng or cfg.finetune):
+        states = state["rng_state"]
+        if len(states) != mesh.dp:
+            raise CheckpointError(f"{path} holds RNG states of {len(states)} data-parallel ranks but this run has "
+                                  f"{mesh.dp}; pass --no-load-rng to resume with fresh RNG states")
+        set_rng_state(states[mesh.dp_rank], rng_tracker)
+
+    if cfg.finetune:
+        iteration, consumed = 0, 0
+    else:
+        iteration, consumed = int(state["iteration"]), int(state["consumed_samples"])
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"> loaded checkpoint {iteration_dir(cfg.load, int(state['iteration']))} "
+              f"(resuming at iteration {iteration}, {consumed} consumed samples)", flush=True)
+    return iteration, consumed

@@ -1,0 +1,139 @@
+"""Training through the zero_cache engine (``--deepspeed --deepspeed_config ds.json``).
+
+ZeRO shards model states over the data-parallel group of each tensor/pipeline
+position; the engine reduces gradients itself (hook-driven, so the 1F1B
+schedule's stage-to-stage ``torch.autograd.backward`` calls work unchanged).
+The Megatron flags fill in, and must agree with, the JSON's batch, precision,
+clipping and optimizer keys.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+
+import torch
+
+import zero_cache
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import param_is_tensor_parallel_duplicate
+from megatron.training.arguments import Config, ConfigError
+from megatron.training.checkpointing import (CheckpointConfig, get_rng_state, read_tracker, set_rng_state, to_plain,
+                                             write_tracker)
+
+
+def _agree(ds: dict, key: str, value, flag: str) -> None:
+    """Fill ``ds[key]`` from a Megatron flag, or check the JSON says the same."""
+    if key in ds and ds[key] != value:
+        raise ConfigError(f"deepspeed config '{key}': {ds[key]} disagrees with {flag} ({value}); "
+                          f"remove the key or make them equal")
+    ds[key] = value
+
+
+def deepspeed_config(cfg: Config) -> dict:
+    with open(cfg.zero.config_path, encoding="utf-8") as f:
+        try:
+            ds = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--deepspeed_config {cfg.zero.config_path}: invalid JSON ({e})") from None
+    par, a = cfg.parallel, cfg.args
+    _agree(ds, "train_micro_batch_size_per_gpu", par.micro_batch_size, "--micro-batch-size")
+    _agree(ds, "gradient_accumulation_steps", par.num_microbatches,
+           "--global-batch-size / (--micro-batch-size x data-parallel size)")
+    _agree(ds, "train_batch_size", par.global_batch_size, "--global-batch-size")
+    if cfg.zero.zero_stage is not None:
+        ds.setdefault("zero_optimization", {})["stage"] = cfg.zero.zero_stage
+    for key, on in (("bf16", a.bf16), ("fp16", a.fp16)):
+        block = ds.setdefault(key, {})
+        if "enabled" in block and bool(block["enabled"]) != on:
+            raise ConfigError(f"deepspeed config '{key}.enabled' is {block['enabled']} but --{key} is "
+                              f"{'set' if on else 'not set'}; make them agree")
+        block["enabled"] = on
+    if a.fp16 and "loss_scale" not in ds["fp16"]:
+        opt = cfg.optimizer
+        ds["fp16"].update(loss_scale=opt.loss_scale or 0.0, loss_scale_window=opt.loss_scale_window,
+                          hysteresis=opt.hysteresis, min_loss_scale=opt.min_loss_scale,
+                          initial_scale_power=int(round(torch.log2(torch.tensor(opt.initial_loss_scale)).item())))
+    ds.setdefault("gradient_clipping", cfg.optimizer.clip_grad)
+    o = cfg.optimizer
+    ds.setdefault("optimizer", {"type": "AdamW", "params": {
+        "lr": o.lr, "betas": [o.adam_beta1, o.adam_beta2], "eps": o.adam_eps, "weight_decay": o.weight_decay}})
+    return ds
+
+
+class ZeroBackend:
+    """The zero_cache engine behind the trainer's backend interface (see backend.py)."""
+
+    def __init__(self, cfg: Config, model: torch.nn.Module):
+        if cfg.args.start_weight_decay is not None or cfg.args.end_weight_decay is not None:
+            raise ConfigError("--start-weight-decay/--end-weight-decay are not supported with --deepspeed "
+                              "(the engine uses a constant --weight-decay); drop them")
+        self.module = model
+        decay = [p for p in model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in model.parameters() if p.ndim < 2]
+        tied = []
+        shared = model.shared_embedding_weight()
+        if shared is not None:
+            tied.append((shared, ps.get_embedding_group()))
+        try:
+            self.model = zero_cache.initialize(
+                model, deepspeed_config(cfg), dp_group=ps.get_data_parallel_group(),
+                model_parallel_group=ps.get_model_parallel_group(),
+                param_in_grad_norm=lambda p: not getattr(p, "shared", False)
+                and not param_is_tensor_parallel_duplicate(p),
+                tied_param_groups=tied,
+                param_groups=[{"params": decay, "weight_decay": cfg.optimizer.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}])
+        except zero_cache.ConfigError as e:
+            raise ConfigError(str(e)) from None
+        if model.post_process and model.pre_process and model.output_layer.weight is None:
+            # The tied output head reads the embedding's weight outside the embedding module.
+            self.model.register_external_parameter(model.output_layer, model.embedding.word_embeddings.weight)
+        self.optimizer = None  # the engine owns the optimizer; the LR comes in through step(lr)
+
+    def zero_grad(self) -> None:
+        """Gradients live in the engine's shards and are consumed by step()."""
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.model.loss_scale
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # the engine reduce-scatters per micro-batch into 1/N shards
+
+    def finish_grad_sync(self) -> None:
+        """step() waits for the outstanding reduce-scatters and syncs tied embeddings."""
+
+    def step(self, lr: float):
+        return self.model.step(lr=lr)
+
+    def save_checkpoint(self, cfg: CheckpointConfig, iteration: int, scheduler, *, consumed_samples: int,
+                        args: dict, rng_tracker) -> None:
+        """Each rank writes its own shards (no full model anywhere) under ``global_step<N>``, then the trackers."""
+        client = {"iteration": iteration, "consumed_samples": consumed_samples, "args": to_plain(dict(args), "args"),
+                  "opt_param_scheduler": scheduler.state_dict(), "rng_state": to_plain(get_rng_state(rng_tracker))}
+        self.model.save_checkpoint(cfg.save, tag=f"global_step{iteration}", client_state=client)
+        if torch.distributed.get_rank() == 0:  # Megatron's tracker too, so tools find the iteration
+            write_tracker(cfg.save, iteration)
+        torch.distributed.barrier()
+
+    def load_checkpoint(self, cfg: CheckpointConfig, scheduler, rng_tracker) -> tuple[int, int]:
+        iteration = read_tracker(cfg.load) if cfg.load else None
+        if iteration is None:
+            return 0, 0
+        load_optim = not (cfg.no_load_optim or cfg.finetune)
+        _, client = self.model.load_checkpoint(cfg.load, tag=f"global_step{iteration}",
+                                               load_optimizer_states=load_optim)
+        if load_optim:
+            scheduler.load_state_dict(client["opt_param_scheduler"])
+        if not (cfg.no_load_rng or cfg.finetune):
+            set_rng_state(client["rng_state"], rng_tracker)
+        if cfg.finetune:
+            return 0, 0
+        return int(client["iteration"]), int(client["consumed_samples"])
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's (TP/PP-partitioned) weights in fp32, gathered over the data-parallel group."""
+        return self.model.gather_state_dict(rank0_only=False)
+
+    def memory_tiers(self) -> dict[str, float]:
+        report = self.model.memory_report()
+        return {f"{tier} states": float(n) for tier, n in report.by_tier.items()}

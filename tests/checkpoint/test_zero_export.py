@@ -1,0 +1,28 @@
+"""A ZeRO-3 checkpoint of the trainer consolidates (streaming) to the full fp32 weights and exports to HF."""
+import pytest
+import torch
+
+from tests.training.parallel_harness import LLAMA_STYLE, TINY_GPT, train
+from tests.training.test_zero_trainer import _ds_config
+from tools.checkpoint.convert_to_hf import convert
+from tools.checkpoint.zero_to_fp32 import zero_to_fp32
+from zero_cache.checkpoint.consolidate import load_consolidated
+
+
+@pytest.mark.parametrize("extra, mesh", [
+    ([], ["--pipeline-model-parallel-size", "2"]),  # tied embedding across stages
+    (LLAMA_STYLE, ["--tensor-model-parallel-size", "2"]),  # tensor-parallel shards joined
+], ids=["gpt2-pp2dp2", "llama-tp2dp2"])
+def test_zero3_checkpoint_consolidates_to_trained_weights(tmp_path, extra, mesh):
+    save = ["--save", str(tmp_path / "ckpt"), "--train-iters", "3"]
+    argv = [a for a in TINY_GPT] + extra + mesh + _ds_config(tmp_path, 3) + save
+    _, trained, _ = train(argv, 4)
+    out = tmp_path / "fp32"
+    zero_to_fp32(str(tmp_path / "ckpt"), str(out))
+    state = load_consolidated(str(out))
+    assert state.keys() == trained.keys()
+    for name, t in trained.items():
+        torch.testing.assert_close(state[name], t, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    hf = convert(str(tmp_path / "hf"), state_dict=str(out))  # args come from out/args.json
+    emb = hf.get_input_embeddings().weight
+    torch.testing.assert_close(emb, trained["embedding.word_embeddings.weight"], rtol=0, atol=0)

@@ -1,0 +1,197 @@
+"""tools/preprocess_data.py end to end: outputs, partitions/workers invariance, bad input, sentences, memory."""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+import pytest
+from tokenizers import ByteLevelBPETokenizer, Tokenizer
+
+from megatron.data.indexed_dataset import MMapIndexedDataset
+from megatron.tokenizer import GPT2BPETokenizer
+from tests.data.conftest import MULTILINGUAL, write_jsonl
+from tools import preprocess_data
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def records(n, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        text = " ".join(MULTILINGUAL[j] for j in rng.integers(0, len(MULTILINGUAL), size=rng.integers(1, 4)))
+        out.append({"text": "" if i % 17 == 5 else text, "title": f"Document {i}", "id": i})
+    return out
+
+
+def gpt2_args(bpe_files, inputs, prefix, *extra):
+    return ["--input", *inputs, "--json-keys", "text", "title", "--tokenizer-type", "GPT2BPETokenizer",
+            "--vocab-file", bpe_files[0], "--merge-file", bpe_files[1], "--append-eod",
+            "--output-prefix", str(prefix), *extra]
+
+
+def read_back(prefix):
+    ds = MMapIndexedDataset(prefix)
+    return ds, [ds[i].tolist() for i in range(len(ds))]
+
+
+def test_outputs_match_tokenizer_and_do_not_depend_on_workers_or_partitions(tmp_path, bpe_files, capsys):
+    docs = records(300)
+    write_jsonl(tmp_path / "all.jsonl", docs)
+    preprocess_data.main(gpt2_args(bpe_files, [str(tmp_path / "all.jsonl")], tmp_path / "one/out", "--workers", "1"))
+    err = capsys.readouterr().err
+    assert "docs/s" in err and "MB/s" in err and "ETA" in err
+    tok = GPT2BPETokenizer(*bpe_files)
+    ds, sequences = read_back(tmp_path / "one/out_text_document")
+    expected = [tok.tokenize(d["text"]) + [tok.eod] for d in docs if d["text"]]
+    assert sequences == expected and ds.dtype == np.uint16
+    # empty documents keep their document-index entry and hold no sequence (Megatron's layout)
+    empties = [i for i, d in enumerate(docs) if not d["text"]]
+    assert ds.num_documents == 300 and all(ds.doc_idx[i] == ds.doc_idx[i + 1] for i in empties)
+    _, titles = read_back(tmp_path / "one/out_title_document")
+    assert titles == [tok.tokenize(d["title"]) + [tok.eod] for d in docs]
+    # the same documents as three files (two gzipped, found by a glob), 3 workers in 2 partitions
+    for name, part in (("a.jsonl.gz", docs[:80]), ("b.jsonl", docs[80:220]), ("c.jsonl.gz", docs[220:])):
+        lines = "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in part).encode("utf-8")
+        opener = gzip.open if name.endswith(".gz") else open
+        with opener(tmp_path / name, "wb") as f:
+            f.write(lines)
+    preprocess_data.main(gpt2_args(bpe_files, [str(tmp_path / "[abc].jsonl*")], tmp_path / "many/out",
+                                   "--workers", "3", "--partitions", "2"))
+    for key in ("text", "title"):
+        for ext in ("bin", "idx"):
+            one = (tmp_path / f"one/out_{key}_document.{ext}").read_bytes()
+            assert (tmp_path / f"many/out_{key}_document.{ext}").read_bytes() == one
+    assert sorted(os.listdir(tmp_path / "many")) == [f"out_{k}_document.{e}" for k in ("text", "title")
+                                                      for e in ("bin", "idx")]
+
+
+def test_byte_ranges_split_lines_exactly(tmp_path, bpe_files):
+    """Many partitions over one plain file: every line lands in exactly one partition."""
+    docs = records(120, seed=1)
+    write_jsonl(tmp_path / "in.jsonl", docs)
+    preprocess_data.main(gpt2_args(bpe_files, [str(tmp_path / "in.jsonl")], tmp_path / "out",
+                                   "--workers", "4", "--partitions", "4"))
+    tok = GPT2BPETokenizer(*bpe_files)
+    _, titles = read_back(tmp_path / "out_title_document")
+    assert titles == [tok.tokenize(d["title"]) + [tok.eod] for d in docs]
+
+
+def test_malformed_input_names_file_and_line(tmp_path, bpe_files, capsys):
+    lines = [json.dumps(d) for d in records(40, seed=2)]
+    lines[24] = '{"text": "unterminated'
+    lines[31] = json.dumps({"body": "no text key", "title": "t"})
+    path = write_jsonl(tmp_path / "bad.jsonl", lines)
+    args = gpt2_args(bpe_files, [path], tmp_path / "out/bad", "--workers", "2", "--partitions", "2")
+    with pytest.raises(SystemExit, match=r"bad.jsonl:25: invalid JSON .*--skip-bad-lines"):
+        preprocess_data.main(args)
+    assert not os.path.exists(tmp_path / "out") or os.listdir(tmp_path / "out") == []  # nothing left behind
+    lines[24] = json.dumps(records(1)[0])
+    write_jsonl(path, lines)
+    with pytest.raises(SystemExit, match=r"bad.jsonl:32: key 'text' missing \(keys present: 'body', 'title'\)"):
+        preprocess_data.main(args)
+    lines[5] = "[1, 2]"
+    lines[9] = '{"text": "lone surrogate \\ud800", "title": "t"}'
+    write_jsonl(path, lines)
+    preprocess_data.main(args + ["--skip-bad-lines"])
+    out = capsys.readouterr().out
+    assert "skipped 3 bad line(s)" in out and "bad.jsonl:6: expected a JSON object" in out and "bad.jsonl:32" in out
+    assert "bad.jsonl:10: cannot tokenize 'text'" in out
+    ds, _ = read_back(tmp_path / "out/bad_title_document")
+    assert ds.num_documents == 37
+    with pytest.raises(SystemExit, match="no such file"):
+        preprocess_data.main(gpt2_args(bpe_files, [str(tmp_path / "missing*.jsonl")], tmp_path / "x"))
+    with pytest.raises(SystemExit, match="--vocab-file"):
+        preprocess_data.main(["--input", path, "--tokenizer-type", "GPT2BPETokenizer", "--output-prefix", "x"])
+
+
+def test_split_sentences_trains_punkt_on_the_input(tmp_path, capsys):
+    text = ("Dr. Smith went to Washington. He arrived at 5 p.m. on Monday! Did he stay? "
+            "Yes.\nThe end of the story.\n")
+    docs = [{"text": text * (1 + i % 3)} for i in range(60)] + [{"text": ""}]
+    path = write_jsonl(tmp_path / "s.jsonl", docs)
+    base = ["--input", path, "--tokenizer-type", "HFTokenizer", "--tokenizer-model", str(_hf_tokenizer(tmp_path)),
+            "--split-sentences", "--workers", "2"]
+    preprocess_data.main(base + ["--output-prefix", str(tmp_path / "s")])
+    assert "trained Punkt on the first" in capsys.readouterr().err
+    hf = Tokenizer.from_file(str(_hf_tokenizer(tmp_path)))
+    ds, sequences = read_back(tmp_path / "s_text_sentence")
+    assert ds.num_documents == 61 and list(np.diff(ds.doc_idx[:4])) == [5, 9, 13]
+    # Punkt learned the abbreviations (Dr., p.m.) from the input itself
+    assert [hf.decode(s) for s in sequences[:5]] == [
+        "Dr. Smith went to Washington.", "He arrived at 5 p.m. on Monday!", "Did he stay?", "Yes.",
+        "The end of the story."]
+    preprocess_data.main(base + ["--keep-newlines", "--output-prefix", str(tmp_path / "k")])
+    _, kept = read_back(tmp_path / "k_text_sentence")
+    assert [hf.decode(s) for s in kept[2:5]] == ["Did he stay? ", "Yes.\n", "The end of the story."]
+
+
+def _hf_tokenizer(tmp_path):
+    path = tmp_path / "tokenizer.json"
+    if not path.exists():
+        tok = ByteLevelBPETokenizer()
+        tok.train_from_iterator(MULTILINGUAL * 5, vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False)
+        tok.save(str(path))
+    return path
+
+
+def _generate_jsonl(path, megabytes):
+    """~1 KB lines: 30 NullTokenizer ids to tokenize plus an untokenized filler field."""
+    rng = np.random.default_rng(0)
+    block = "".join(json.dumps({"text": " ".join(map(str, rng.integers(0, 50_000, size=30))),
+                                "meta": "x" * 800, "n": i}) + "\n" for i in range(2000))
+    copies = max(1, int(megabytes * 1e6) // len(block))
+    with open(path, "w") as f:
+        for _ in range(copies):
+            f.write(block)
+    return os.path.getsize(path), copies * 2000
+
+
+def _peak_rss(argv):
+    """Run a command; return (peak summed RSS of it and its children, returncode)."""
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    root, peak = psutil.Process(proc.pid), 0
+    while proc.poll() is None:
+        try:
+            tree = [root] + root.children(recursive=True)
+            peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
+        except psutil.Error:
+            pass  # a process ended between listing and measuring
+        time.sleep(0.02)
+    return peak, proc.returncode, proc.stderr.read().decode()
+
+
+def test_memory_stays_flat_on_large_input(tmp_path):
+    _generate_jsonl(tmp_path / "small.jsonl", 20)
+    large_bytes, large_docs = _generate_jsonl(tmp_path / "large.jsonl", 220)
+    assert large_bytes > 200e6
+    peaks = {}
+    for name in ("small", "large"):
+        argv = [sys.executable, "-m", "tools.preprocess_data", "--input", str(tmp_path / f"{name}.jsonl"),
+                "--tokenizer-type", "NullTokenizer", "--vocab-size", "50000", "--append-eod",
+                "--output-prefix", str(tmp_path / name), "--workers", "2", "--log-interval", "100000"]
+        peaks[name], rc, err = _peak_rss(argv)
+        assert rc == 0, err
+    ds = MMapIndexedDataset(tmp_path / "large_text_document")
+    assert len(ds) == large_docs and int(ds.sizes[0]) == 31
+    # 10x the input (+200 MB) may cost a few MB more, never a share of the input
+    assert peaks["large"] - peaks["small"] < 40e6, peaks
+    assert peaks["large"] < 600e6, peaks
+
+
+def test_sample_corpus_is_deterministic(tmp_path):
+    runs = [subprocess.Popen([sys.executable, "-m", "tools.make_sample_corpus", "--output", str(tmp_path / f"c{i}.jsonl")],
+                             cwd=REPO, stdout=subprocess.PIPE) for i in range(2)]
+    assert all(p.wait() == 0 for p in runs)
+    first, second = ((tmp_path / f"c{i}.jsonl").read_bytes() for i in range(2))
+    assert first == second and len(first) > 3_000_000
+    docs = [json.loads(line) for line in first.decode("utf-8").splitlines()]
+    assert len(docs) > 1000 and [d["id"] for d in docs] == list(range(len(docs)))
+    words = " ".join(d["text"] for d in docs[:200]).split()
+    assert sum(w.lower() in {"the", "a", "of", "is", "to", "and"} for w in words) > 0.08 * len(words)

@@ -1,0 +1,85 @@
+"""Helpers for the launcher tests: run ptm-launch (optionally inside a network namespace), parse output."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+STANDIN = "tests/launcher/standin_train.py"
+_STEP_RE = re.compile(r"step (\d+) loss (\S+)")
+_GPT_LOSS_RE = re.compile(r"lm loss: ([0-9.]+E[+-]\d+)")
+
+
+def launcher_argv(*args: str, netns: str | None = None) -> list[str]:
+    argv = [sys.executable, "-m", "zero_cache.launcher", *args]
+    return ["ip", "netns", "exec", netns, *argv] if netns else argv
+
+
+def run_launcher(*args: str, netns: str | None = None, env: dict[str, str] | None = None,
+                 timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run to completion; stdout and stderr merged into .stdout."""
+    return subprocess.run(launcher_argv(*args, netns=netns), cwd=REPO, env={**os.environ, **(env or {})},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+
+
+class LiveLauncher:
+    """A launcher running in the background whose output is collected line by line."""
+
+    def __init__(self, *args: str, netns: str | None = None, env: dict[str, str] | None = None):
+        self.proc = subprocess.Popen(launcher_argv(*args, netns=netns), cwd=REPO, env={**os.environ, **(env or {})},
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.lines: list[str] = []
+        self._seen = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            with self._seen:
+                self.lines.append(line)
+                self._seen.notify_all()
+        with self._seen:
+            self._seen.notify_all()
+
+    def wait_for(self, text: str, timeout: float) -> None:
+        def seen() -> bool:
+            return any(text in line for line in self.lines)
+        with self._seen:
+            self._seen.wait_for(lambda: seen() or not self._reader.is_alive(), timeout=timeout)
+            assert seen(), f"{text!r} did not appear within {timeout}s; output:\n{self.output}"
+
+    def finish(self, timeout: float) -> int:
+        """Wait for the launcher to exit; fail (and kill it) if it takes longer than ``timeout``."""
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"launcher still running {timeout}s later; output:\n{self.output}") from None
+        self._reader.join(timeout=10)
+        return code
+
+    @property
+    def output(self) -> str:
+        with self._seen:
+            return "".join(self.lines)
+
+
+def standin_report(output: str) -> dict:
+    """What rank 0 of standin_train.py printed: all-reduce sum, per-rank placement, tag, losses."""
+    def value(key: str) -> str:
+        match = re.search(rf"{key}: (.*)", output)
+        assert match, f"no '{key}:' line in output:\n{output}"
+        return match.group(1)
+    return {"allreduce": float(value("allreduce").split()[0]), "ranks": json.loads(value("ranks")),
+            "tag": json.loads(value("tag")),
+            "losses": [float(loss) for _, loss in sorted((int(s), l) for s, l in _STEP_RE.findall(output))]}
+
+
+def gpt_losses(output: str) -> list[float]:
+    return [float(v) for v in _GPT_LOSS_RE.findall(output)]

@@ -1,0 +1,177 @@
+"""ptm-launch across real hosts: network namespaces with their own addresses and sshd (needs root).
+
+scripts/multinode_hosts.sh makes two hosts, 10.77.0.1 and 10.77.0.2 (2 slots each), on a bridge of
+their own; the launcher runs on the first host, as a user would, and reaches both over ssh/pdsh.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.launcher.launch_utils import (REPO, STANDIN, LiveLauncher, gpt_losses, run_launcher, standin_report)
+from tests.launcher.standin_train import reference_losses
+
+SETUP = REPO / "scripts" / "multinode_hosts.sh"
+GLOO_ENV = {"GLOO_SOCKET_IFNAME": "eth0"}  # each host's link to the others (its loopback is no use to peers)
+GPT_ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+            "--train-iters", "5", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "128", "--tensor-model-parallel-size", "2", "--distributed-backend", "gloo",
+            "--log-interval", "1", "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234",
+            "--distributed-timeout-minutes", "2"]
+
+
+@dataclass(frozen=True)
+class Hosts:
+    dir: Path
+    hostfile: Path
+    ssh_config: Path
+    namespaces: tuple[str, ...]
+
+    def job_pids(self, namespace: str) -> list[int]:
+        """Processes in a host's namespace other than its sshd listener."""
+        index = self.namespaces.index(namespace) + 1
+        listener = int((self.dir / f"sshd-{index}.pid").read_text())
+        out = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, check=True).stdout
+        return [pid for pid in map(int, out.split()) if pid != listener]
+
+    def wait_until_idle(self, timeout: float = 30.0, namespaces: tuple[str, ...] = ()) -> dict[str, list[str]]:
+        """Poll until no job process is left on the hosts; return what is left (empty when idle)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = {ns: [_cmdline(pid) for pid in self.job_pids(ns)] for ns in namespaces or self.namespaces}
+            left = {ns: cmds for ns, cmds in left.items() if cmds}
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.5)
+
+    def kill_jobs(self) -> None:
+        """Power-cycle the hosts' workloads (after a test that left a host partitioned)."""
+        for ns in self.namespaces:
+            for pid in self.job_pids(ns):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ").strip()
+    except OSError:
+        return "<exited>"
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    if os.geteuid() != 0:
+        pytest.fail("the multi-node launcher tests must run as root: they create network namespaces and start "
+                    "sshd (scripts/multinode_hosts.sh); CI runs them as root")
+    if shutil.which("ip") is None and not Path("/usr/sbin/ip").exists():
+        pytest.fail("the multi-node launcher tests need iproute2's 'ip' (apt-get install iproute2)")
+    try:
+        up = subprocess.run(["bash", str(SETUP), "up"], capture_output=True, text=True, timeout=600)
+        assert up.returncode == 0, f"{SETUP} up failed:\n{up.stderr}"
+        hostfile = Path(up.stdout.strip().splitlines()[-1])
+        namespaces = tuple((hostfile.parent / "namespaces").read_text().split())
+        yield Hosts(hostfile.parent, hostfile, hostfile.parent / "ssh_config", namespaces)
+    finally:
+        down = subprocess.run(["bash", str(SETUP), "down"], capture_output=True, text=True, timeout=120)
+        assert down.returncode == 0, f"{SETUP} down failed:\n{down.stderr}"
+
+
+def _ssh_args(hosts: Hosts, *extra: str) -> list[str]:
+    return ["--hostfile", str(hosts.hostfile), "--launcher_args", " ".join(["-F", str(hosts.ssh_config), *extra])]
+
+
+def _placement(report: dict) -> list[tuple[int, int, str]]:
+    return [(r["rank"], r["local_rank"], r["address"]) for r in report["ranks"]]
+
+
+TWO_BY_TWO = [(0, 0, "10.77.0.1"), (1, 1, "10.77.0.1"), (2, 0, "10.77.0.2"), (3, 1, "10.77.0.2")]
+
+
+def test_two_hosts_over_ssh_match_single_process_reference(hosts, tmp_path):
+    env_file = tmp_path / "ptm_env"
+    env_file.write_text("PTM_TEST_MARKER=x y; $(touch /tmp/ptm-pwned)\n")
+    tag = "a b; touch /tmp/ptm-pwned2 `id` 'q'"
+    result = run_launcher(*_ssh_args(hosts), STANDIN, "--tag", tag, netns=hosts.namespaces[0],
+                          env={**GLOO_ENV, "PTM_ENV_FILE": str(env_file)})
+    assert result.returncode == 0, result.stdout
+    report = standin_report(result.stdout)
+    assert _placement(report) == TWO_BY_TWO  # ranks in hostfile order, local ranks per host
+    assert report["allreduce"] == 1.0 + 2.0 + 3.0 + 4.0
+    assert [r["env"] for r in report["ranks"]] == ["x y; $(touch /tmp/ptm-pwned)"] * 4
+    assert report["tag"] == tag
+    assert not Path("/tmp/ptm-pwned").exists() and not Path("/tmp/ptm-pwned2").exists()
+    assert report["losses"] == pytest.approx(reference_losses(world=4, steps=5), rel=1e-5)
+    assert "10.77.0.2: " in result.stdout  # remote output comes back, labelled with its host
+    assert hosts.wait_until_idle() == {}
+
+
+def test_gpt_two_hosts_match_single_host(hosts):
+    two_hosts = run_launcher(*_ssh_args(hosts), "pretrain_gpt.py", *GPT_ARGS, netns=hosts.namespaces[0],
+                             env=GLOO_ENV, timeout=300)
+    assert two_hosts.returncode == 0, two_hosts.stdout
+    assert "ptm-launch: 4 process(es) on 2 node(s): 10.77.0.1 (node 0, ranks 0-1" in two_hosts.stdout
+    single = subprocess.run(["torchrun", "--standalone", "--nproc-per-node", "4", "pretrain_gpt.py", *GPT_ARGS],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert single.returncode == 0, single.stdout
+    losses = gpt_losses(two_hosts.stdout)
+    assert len(losses) == 5, two_hosts.stdout
+    assert losses == pytest.approx(gpt_losses(single.stdout), rel=1e-6)
+
+
+def test_ctrl_c_with_pdsh_stops_every_node(hosts):
+    live = LiveLauncher("--launcher", "pdsh", "--hostfile", str(hosts.hostfile), STANDIN, "--steps", "10000",
+                        "--sleep", "0.2", netns=hosts.namespaces[0],
+                        env={**GLOO_ENV, "PDSH_SSH_ARGS_APPEND": f"-F {hosts.ssh_config}"})
+    live.wait_for("step 1 loss", timeout=120)
+    assert _placement(standin_report(live.output)) == TWO_BY_TWO
+    live.proc.send_signal(signal.SIGINT)
+    assert live.finish(timeout=60) == 128 + signal.SIGINT, live.output
+    assert "ptm-launch: SIGINT received; stopping all 2 node(s)" in live.output
+    assert hosts.wait_until_idle() == {}  # each agent stops its torchrun once its ssh session is gone
+
+
+def test_node_whose_torchrun_dies_fails_the_job(hosts):
+    live = LiveLauncher(*_ssh_args(hosts), STANDIN, "--steps", "10000", "--sleep", "0.2",
+                        netns=hosts.namespaces[0], env=GLOO_ENV)
+    live.wait_for("step 1 loss", timeout=120)
+    second = hosts.namespaces[1]
+    (torchrun,) = [pid for pid in hosts.job_pids(second)
+                   if _cmdline(pid).split()[1:4] == ["-u", "-m", "torch.distributed.run"]]
+    os.kill(torchrun, signal.SIGKILL)
+    assert live.finish(timeout=90) == 128 + signal.SIGKILL, live.output
+    out = live.output
+    assert "ptm-launch: node 1 (10.77.0.2) failed: exit code 137; stopping the other node(s)" in out
+    assert "10.77.0.2: [ptm-launch agent 10.77.0.2] torchrun was killed by SIGKILL" in out
+    assert "10.77.0.1: [ptm-launch agent 10.77.0.1] stopping torchrun: the launcher closed the connection" in out
+    assert out.rstrip().endswith("ptm-launch: node 1 (10.77.0.2) failed: exit code 137")
+    assert hosts.wait_until_idle() == {}  # the dead torchrun's orphaned workers were cleaned up too
+
+
+def test_unreachable_node_fails_the_job_before_the_collective_timeout(hosts):
+    # ssh keepalives every 2 s (3 missed = dead) against a 60 s collective timeout: the launcher must
+    # notice the silent host itself, blame it, and stop the surviving host, whose ranks are still waiting.
+    live = LiveLauncher(*_ssh_args(hosts, "-o", "ServerAliveInterval=2", "-o", "ServerAliveCountMax=3"), STANDIN,
+                        "--steps", "10000", "--sleep", "0.2", "--distributed-timeout-seconds", "60",
+                        netns=hosts.namespaces[0], env=GLOO_ENV)
+    try:
+        live.wait_for("step 1 loss", timeout=120)
+        subprocess.run(["ip", "-n", hosts.namespaces[1], "link", "set", "eth0", "down"], check=True)
+        assert live.finish(timeout=90) == 255, live.output
+        out = live.output
+        assert "ptm-launch: node 1 (10.77.0.2) failed: exit code 255 (ssh's code for a lost connection" in out
+        assert "Timeout" not in out and "timed out" not in out  # node 0 was stopped, it did not time out
+        assert hosts.wait_until_idle(namespaces=hosts.namespaces[:1]) == {}
+    finally:
+        subprocess.run(["ip", "-n", hosts.namespaces[1], "link", "set", "eth0", "up"], check=True)
+        hosts.kill_jobs()  # the partitioned host's ranks would otherwise wait for their own timeout

@@ -1,0 +1,72 @@
+"""pretrain_gpt.py --deepspeed: ZeRO stages inside the 3D-parallel trainer match the single-process reference."""
+import json
+
+import pytest
+
+from tests.training.test_parallel_equivalence import MESHES, _check
+
+
+def _ds_config(tmp_path, stage: int, offload: bool = False) -> list[str]:
+    zero = {"stage": stage, "allgather_bucket_size": 3000, "stage3_param_persistence_threshold": 64,
+            "sub_group_size": 5000}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+        zero["offload_param"] = {"device": "cpu"}
+    path = tmp_path / f"ds_stage{stage}{'_offload' if offload else ''}.json"
+    path.write_text(json.dumps({"zero_optimization": zero}))
+    return ["--deepspeed", "--deepspeed_config", str(path)]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stage_dp2_matches_reference(tmp_path, stage):
+    _check([], _ds_config(tmp_path, stage), 2)
+
+
+def test_zero3_offload_tp2pp2dp2_matches_reference(tmp_path):
+    """ZeRO-3 under pipeline parallelism with the 1F1B schedule (DeepSpeed refuses this combination)."""
+    flags, world = MESHES["tp2pp2dp2"]
+    _check([], flags + _ds_config(tmp_path, 3, offload=True), world)
+
+
+@pytest.mark.parametrize("name", ["ds_config_zero3.json", "ds_config_zero3_offload.json"])
+def test_shipped_example_configs_parse(name):
+    from pathlib import Path
+
+    import zero_cache
+
+    cfg = zero_cache.parse_config(str(Path(__file__).resolve().parents[2] / "examples" / name), 2)
+    assert cfg.zero_optimization.stage == 3
+
+
+def test_config_disagreeing_with_flags_is_one_clear_error(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.training.parallel_harness import TINY_GPT
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}}))
+    proc = subprocess.run([sys.executable, "pretrain_gpt.py", *TINY_GPT, "--deepspeed", "--deepspeed_config",
+                           str(path)], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "'train_micro_batch_size_per_gpu': 4 disagrees with --micro-batch-size (2)" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_misspelled_key_names_the_nearest(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.training.parallel_harness import TINY_GPT
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "sub_grup_size": 10}}))
+    proc = subprocess.run([sys.executable, "pretrain_gpt.py", *TINY_GPT, "--deepspeed", "--deepspeed_config",
+                           str(path)], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "sub_grup_size" in proc.stderr and "sub_group_size" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,281 @@
+"""SSD tier: optimizer states on page files under nvme_path, DP=2 numerics against the fp32 reference,
+pipelined (read-ahead / write-behind) and plain steps, placement by prefetch_cache_sub_group_rate, exact
+resume, and clear errors for damaged page files, unwritable paths and full disks."""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import subprocess
+
+import pytest
+import torch
+
+import zero_cache
+from tests.dist_utils import run_distributed
+from tests.zero_cache.common import (STEPS, assert_close_losses, assert_close_weights, batches, ds_config, make_model,
+                                     reference_run, to_numpy, train_engine)
+from zero_cache import aio
+from zero_cache.aio import SSDTierError
+from zero_cache.config import AioConfig
+from zero_cache.ssd_store import SWAP_DIR, SSDStore
+
+DP = 2
+SUB_GROUP = 600  # shard elements per sub-group: the tiny model has 6 sub-groups per rank at DP=2
+# (name, prefetch_cache_sub_group_rate, pipeline_optimizer, offload_param)
+CASES = [("rate0-pipeline", 0.0, True, False), ("rate0-plain", 0.0, False, False),
+         ("rate0.5-pipeline", 0.5, True, False), ("rate1-pipeline", 1.0, True, False),
+         ("rate0-pipeline-params-on-host", 0.0, True, True)]
+
+
+def _nvme_config(world_size, nvme, rate=0.0, pipeline=True, offload_param=False, stage=3):
+    zero = {"sub_group_size": SUB_GROUP, "pipeline_optimizer": pipeline, "prefetch_cache_sub_group_rate": rate,
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme}}
+    if offload_param:
+        zero["offload_param"] = {"device": "cpu"}
+    return ds_config(stage, world_size, **zero)
+
+
+def _engine(config, seed=0):
+    model = make_model(seed=seed)
+    engine = zero_cache.initialize(model=model, config=config)
+    engine.register_external_parameter(model.head, model.embed.weight)
+    return engine
+
+
+def _run_cases(rank, world_size, nvme):
+    out = {}
+    for name, rate, pipeline, offload_param in CASES:
+        engine = _engine(_nvme_config(world_size, nvme, rate, pipeline, offload_param))
+        swap_dir = getattr(engine.store, "directory", None)  # rate 1 keeps everything on the device: no SSD
+        n_files = len(os.listdir(swap_dir)) if swap_dir else 0
+        losses = train_engine(engine, batches(), rank, world_size)
+        stats = engine.swap_stats()
+        sg_bytes = [sum(2 * aio.round_up(4 * engine.chunks[i].plan.shard) for i in sg) for sg in engine.sub_groups]
+        out[name] = {"losses": losses, "weights": to_numpy(engine.gather_state_dict()),
+                     "report": engine.memory_report(), "stats": stats, "files": n_files,
+                     "sub_group_bytes": sg_bytes, "swapped": list(engine.optimizer.swapped),
+                     "chunks": [(c.plan.shard, c.opt_tier) for c in engine.chunks]}
+        engine.close()
+        out[name]["removed"] = swap_dir is None or not os.path.exists(swap_dir)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ssd_results(tmp_path_factory):
+    nvme = str(tmp_path_factory.mktemp("nvme"))
+    results = run_distributed(_run_cases, DP, nvme, timeout=240)
+    return results, nvme
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_run()
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_states_on_ssd_match_reference(ssd_results, reference, case):
+    results, nvme = ssd_results
+    ref_losses, ref_weights = reference
+    losses = [sum(r[case]["losses"][s] for r in results) / DP for s in range(STEPS)]
+    assert_close_losses(losses, ref_losses)
+    assert ref_losses[-1] < ref_losses[0] - 0.05
+    assert_close_weights(results[0][case]["weights"], ref_weights[-1])
+    for r in results:
+        res = r[case]
+        rep = res["report"]
+        on_ssd = [t == "nvme" for _, t in res["chunks"]]
+        # Exact accounting: Adam m and v (8 B/elem) of every SSD chunk are page files; fp32 masters are the
+        # parameter shards (no separate copy); gradient shards stay in host memory.
+        ssd_elems = sum(shard for shard, t in res["chunks"] if t == "nvme")
+        assert rep.by_kind_tier.get(("optimizer", "nvme"), 0) == 8 * ssd_elems
+        assert rep.by_kind_tier.get(("grads", "nvme"), 0) == 0
+        assert rep.by_kind_tier.get(("grads", "host"), 0) == 4 * ssd_elems
+        assert res["files"] == 2 * sum(on_ssd)  # one page file per SSD shard
+        n_sg = len(res["swapped"])
+        rate = {"rate0-": 0.0, "rate0.5": 0.5, "rate1-": 1.0}[next(k for k in ("rate0-", "rate0.5", "rate1-")
+                                                                   if case.startswith(k))]
+        cached = -(-int(rate * 2 * n_sg) // 2)  # ceil(rate * n_sg): the first share stays on the device
+        assert res["swapped"] == [k >= cached for k in range(n_sg)]
+        if any(res["swapped"]):
+            stats = res["stats"]
+            file_bytes = sum(2 * (aio.HEADER_BYTES + aio.round_up(4 * shard)) for shard, t in res["chunks"]
+                             if t == "nvme")
+            assert stats.bytes_read == stats.bytes_written == file_bytes  # each state read and written once
+            assert 0.0 <= stats.overlap <= 1.0 and stats.io_seconds > 0
+            # Staging buffers: at most read-ahead + update + write-behind sub-groups with the pipeline, one without.
+            sizes = [b for b, s in zip(res["sub_group_bytes"], res["swapped"]) if s]
+            window = 3 if "pipeline" in case else 1
+            bound = max(sum(sizes[i:i + window]) for i in range(len(sizes)))
+            assert max(sizes) <= rep.swap_buffers_peak <= bound
+            assert rep.swap_buffers_now == 0
+        else:
+            assert res["stats"] is None and rep.by_tier.get("nvme", 0) == 0
+        assert res["removed"]  # close() removes the swap directory
+    assert os.listdir(os.path.join(nvme, SWAP_DIR)) == []
+
+
+def test_pipeline_keeps_more_sub_groups_in_flight(ssd_results):
+    """Read-ahead of i+1 and write-behind of i-1 overlap the update of i: more staging buffers in use."""
+    results, _ = ssd_results
+    piped = results[0]["rate0-pipeline"]["report"].swap_buffers_peak
+    plain = results[0]["rate0-plain"]["report"].swap_buffers_peak
+    assert piped >= 2 * plain > 0
+
+
+# ---- resume -----------------------------------------------------------------------------------------------
+def _train_and_save(rank, world_size, nvme, ckpt_dir):
+    engine = _engine(_nvme_config(world_size, nvme))
+    first = train_engine(engine, batches(), rank, world_size, steps=range(5))
+    engine.save_checkpoint(ckpt_dir, client_state={"iteration": 5})
+    rest = train_engine(engine, batches(), rank, world_size, steps=range(5, 10))
+    engine.close()
+    return first, rest
+
+
+def _resume(rank, world_size, nvme, ckpt_dir):
+    engine = _engine(_nvme_config(world_size, nvme), seed=123)
+    _, client = engine.load_checkpoint(ckpt_dir)
+    assert client == {"iteration": 5}
+    rest = train_engine(engine, batches(), rank, world_size, steps=range(5, 10))
+    engine.close()
+    return rest
+
+
+def test_resume_with_states_on_ssd_is_exact(tmp_path):
+    nvme, ckpt = str(tmp_path / "nvme"), str(tmp_path / "ckpt")
+    saved = run_distributed(_train_and_save, DP, nvme, ckpt, timeout=180)
+    resumed = run_distributed(_resume, DP, nvme, ckpt, timeout=180)
+    for r in range(DP):
+        assert resumed[r] == saved[r][1], f"rank {r}: resumed steps 6-10 differ"
+
+
+# ---- page files and errors (single process) -------------------------------------------------------------
+def _store(path, **kw):
+    return SSDStore(torch.device("cpu"), str(path), AioConfig(block_size=8192, queue_depth=2), **kw)
+
+
+def _page_path(store, key):
+    return os.path.join(store.directory, key + ".swp")
+
+
+def test_page_file_round_trip_and_layout(tmp_path):
+    store = _store(tmp_path)
+    values = torch.randn(3000)
+    assert store.allocate("c0.exp_avg", "optimizer", "nvme", 3000, torch.float32) is None
+    assert torch.equal(store.read("c0.exp_avg"), torch.zeros(3000))
+    store.put("c0.exp_avg", values)
+    (t,) = store.swap_in(["c0.exp_avg"]).wait()
+    assert torch.equal(t, values)
+    t.mul_(2)
+    store.swap_out(["c0.exp_avg"], [t]).wait()
+    assert torch.equal(store.read("c0.exp_avg"), 2 * values)
+    size = os.path.getsize(_page_path(store, "c0.exp_avg"))
+    assert size == aio.HEADER_BYTES + aio.round_up(3000 * 4) and size % 4096 == 0  # block-aligned
+    assert store.nbytes() == {("optimizer", "nvme"): 12000}
+    assert store.pool.in_use == 0
+    store.close()
+    assert not os.path.exists(store.directory)
+
+
+@pytest.mark.parametrize("damage", ["flip-payload", "truncate", "header"])
+def test_damaged_page_file_is_a_clear_error(tmp_path, damage):
+    store = _store(tmp_path)
+    store.allocate("c1.exp_avg_sq", "optimizer", "nvme", 2000, torch.float32)
+    store.put("c1.exp_avg_sq", torch.ones(2000))
+    path = _page_path(store, "c1.exp_avg_sq")
+    with open(path, "r+b") as f:
+        if damage == "flip-payload":
+            f.seek(aio.HEADER_BYTES + 123)
+            byte = f.read(1)
+            f.seek(aio.HEADER_BYTES + 123)
+            f.write(bytes([byte[0] ^ 0x40]))
+        elif damage == "truncate":
+            f.truncate(aio.HEADER_BYTES + 1000)
+        else:
+            f.write(b"garbage!")
+    expected = {"flip-payload": "is corrupted: payload CRC-32", "truncate": "is truncated",
+                "header": "corrupted header"}[damage]
+    with pytest.raises(SSDTierError, match=expected) as e:
+        store.read("c1.exp_avg_sq")
+    assert path in str(e.value)
+    assert store.pool.in_use == 0  # the failed read handed its buffer back
+    store.close()
+
+
+def test_corrupted_state_during_training_stops_the_step(tmp_path):
+    engine = _engine(_nvme_config(1, str(tmp_path)))
+    train_engine(engine, batches(2), 0, 1, steps=[0])
+    victim = os.path.join(engine.store.directory, "c2.exp_avg.swp")
+    with open(victim, "r+b") as f:
+        f.seek(aio.HEADER_BYTES)
+        f.write(b"\xff" * 16)
+    with pytest.raises(SSDTierError, match=f"'{victim}' is corrupted"):
+        train_engine(engine, batches(2), 0, 1, steps=[1])
+    assert engine.store.pool.in_use == 0  # no staging buffer is left in use or targeted by I/O
+    engine.close()
+
+
+def test_unwritable_nvme_path_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(SSDTierError, match="is not a writable directory") as e:
+        _engine(_nvme_config(1, str(blocker / "nvme")))
+    assert str(blocker / "nvme") in str(e.value)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(ro)], check=True)
+    try:
+        with pytest.raises(SSDTierError, match="Read-only file system"):
+            _engine(_nvme_config(1, str(ro)))
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+
+
+def test_full_disk_is_a_clear_error_with_bytes_needed_and_free(tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    try:
+        store = _store(small)
+        store.allocate("c0.exp_avg", "optimizer", "nvme", 100_000, torch.float32)  # 400 KB fits
+        with pytest.raises(SSDTierError, match=r"no space left for '.*c1.exp_avg.swp': 2101248 bytes needed, "
+                                               r"\d+ bytes free"):
+            store.allocate("c1.exp_avg", "optimizer", "nvme", 524_288, torch.float32)  # 2 MiB does not
+        assert torch.equal(store.read("c0.exp_avg"), torch.zeros(100_000))  # what fitted is intact
+        store.close()
+        assert os.listdir(small / SWAP_DIR) == []
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+
+
+def test_stale_swap_dirs_of_dead_processes_are_removed(tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    import socket
+    stale = tmp_path / SWAP_DIR / f"{socket.gethostname()}_pid{dead.pid}_r0"
+    stale.mkdir(parents=True)
+    (stale / "c0.exp_avg.swp").write_bytes(b"x" * 4096)
+    store = _store(tmp_path)
+    assert not stale.exists() and os.path.isdir(store.directory)
+    store.close()
+
+
+def test_falls_back_to_buffered_io_when_o_direct_is_refused(tmp_path, monkeypatch, caplog):
+    real_open = os.open
+
+    def no_direct(path, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(aio.os, "open", no_direct)
+    with caplog.at_level(logging.WARNING, logger="zero_cache.aio"):
+        store = _store(tmp_path)
+        for i in range(3):
+            store.allocate(f"c{i}.exp_avg", "optimizer", "nvme", 1000, torch.float32)
+        store.put("c2.exp_avg", torch.arange(1000.0))
+        assert torch.equal(store.read("c2.exp_avg"), torch.arange(1000.0))
+    warnings = [r for r in caplog.records if "refuses O_DIRECT" in r.getMessage()]
+    assert len(warnings) == 1  # warned once, later files skip O_DIRECT
+    store.close()

@@ -1,0 +1,90 @@
+"""Consolidate a ZeRO checkpoint written by ``pretrain_gpt.py --deepspeed`` into one fp32 state dict.
+
+    python tools/checkpoint/zero_to_fp32.py <save dir> <out dir> [--tag global_stepN]
+
+The output directory holds one ``<name>.pt`` per tensor with the single-process
+model's names (global layer indices, tensor-parallel shards concatenated),
+``args.json`` (the run's model arguments) and ``index.json`` (written last).
+It streams: the engine's consolidation assembles one data-parallel-sharded
+tensor at a time per model-parallel rank, and the tensor-parallel pieces of one
+tensor are joined and written before the next is read, so memory is a few
+times the largest tensor, never the model. ``convert_to_hf.py --state-dict
+<out dir>`` exports it to Hugging Face.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+
+from tools.checkpoint.loader import OUTPUT_LAYER, global_name, partition_dim
+from zero_cache.checkpoint.consolidate import consolidate
+from zero_cache.checkpoint.sharded import atomic_torch_save, file_prefix, latest_tag
+
+
+def _read_args(save_dir: str, tag: str) -> dict:
+    path = os.path.join(save_dir, tag, file_prefix(0, 0) + "_model_states.pt")
+    if not os.path.isfile(path):
+        raise SystemExit(f"zero_to_fp32: {path} is missing: is {save_dir} a checkpoint of pretrain_gpt.py --deepspeed?")
+    client = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["client_state"]
+    if "args" not in client:
+        raise SystemExit(f"zero_to_fp32: {path} carries no trainer args; it was not written by pretrain_gpt.py")
+    return dict(client["args"])
+
+
+def zero_to_fp32(save_dir: str, out_dir: str, tag: str | None = None) -> dict[str, dict]:
+    tag = tag or latest_tag(save_dir)
+    args = _read_args(save_dir, tag)
+    tp, pp = args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]
+    per_stage = args["num_layers"] // pp
+    tied = not args.get("untie_embeddings_and_output_weights", False)
+    os.makedirs(out_dir, exist_ok=True)
+    index: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".mp_ranks.") as tmp:
+        for p in range(pp):
+            # The engine's model-parallel rank is the rank in the TP x PP group: stage-major, then tp.
+            parts = []
+            for t in range(tp):
+                part_dir = os.path.join(tmp, f"mp{p * tp + t}")
+                consolidate(save_dir, part_dir, tag, p * tp + t)
+                with open(os.path.join(part_dir, "index.json"), encoding="utf-8") as f:
+                    parts.append((part_dir, json.load(f)["tensors"]))
+            for name, entry in parts[0][1].items():
+                if tied and name == OUTPUT_LAYER and p == pp - 1 and pp > 1:
+                    continue  # the last stage's copy of the tied word embedding
+                pieces = [torch.load(os.path.join(d, idx[name]["file"]), weights_only=True) for d, idx in parts]
+                dim = partition_dim(name)
+                full = pieces[0] if dim is None or tp == 1 else torch.cat(pieces, dim)
+                gname = global_name(name, p * per_stage)
+                fname = gname + ".pt"
+                atomic_torch_save(full, os.path.join(out_dir, fname))
+                index[gname] = {"file": fname, "shape": list(full.shape), "dtype": str(full.dtype).removeprefix("torch.")}
+                del pieces, full
+            for d, _ in parts:
+                shutil.rmtree(d)
+    with open(os.path.join(out_dir, "args.json"), "w", encoding="utf-8") as f:
+        json.dump(args, f, indent=1)
+    tmp_index = os.path.join(out_dir, f"index.json.tmp.{os.getpid()}")
+    with open(tmp_index, "w", encoding="utf-8") as f:
+        json.dump({"tag": tag, "tensors": index}, f, indent=1)
+    os.replace(tmp_index, os.path.join(out_dir, "index.json"))
+    return index
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("save_dir", help="the --save directory of a pretrain_gpt.py --deepspeed run")
+    ap.add_argument("out_dir", help="output directory: one fp32 .pt per tensor, args.json, index.json")
+    ap.add_argument("--tag", default=None, help="checkpoint tag, e.g. global_step100 (default: latest)")
+    a = ap.parse_args(argv)
+    index = zero_to_fp32(a.save_dir, a.out_dir, a.tag)
+    print(f"zero_to_fp32: wrote {len(index)} tensors to {a.out_dir}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""SSD tier I/O: checksummed, block-aligned page files, aligned host buffers and a pool of I/O threads.
+
+A *page file* holds one shard: a 4 KiB header (magic, key, dtype, element count, payload bytes, CRC-32 of
+the payload) followed by the payload padded to a multiple of 4 KiB, so every read and write is
+block-aligned and can bypass the page cache with ``O_DIRECT`` (where the filesystem refuses it the file
+is reopened without, once, with a warning). Payloads move between the file and *aligned buffers*
+(anonymous ``mmap`` memory: page-aligned, as ``O_DIRECT`` requires) in ``aio.block_size`` pieces with
+``os.preadv`` / ``os.pwritev``, which release the GIL, so I/O runs while torch kernels compute.
+
+``AioEngine`` runs whole-file jobs on ``aio.intra_op_parallelism`` threads with at most
+``aio.queue_depth`` jobs queued per thread (submitting more blocks the caller: bounded memory), and
+records each job's busy interval so callers can measure how much I/O time their compute hid.
+A truncated or corrupted page file, or a full disk, is an ``SSDTierError`` naming the file.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import shutil
+import struct
+import threading
+import time
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .config import AioConfig
+
+logger = logging.getLogger(__name__)
+
+ALIGN = 4096
+HEADER_BYTES = ALIGN
+MAGIC = b"ZCPAGE01"
+_HEADER = struct.Struct("<8sQQQIH")  # magic, numel, payload bytes, capacity, crc32, key length
+
+
+class SSDTierError(RuntimeError):
+    """A problem with the SSD tier (path, space, or a damaged page file); the message names the file."""
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    return -(-n // align) * align
+
+
+def disk_free(path: str) -> int:
+    return shutil.disk_usage(path).free
+
+
+class AlignedBuffer:
+    """Page-aligned host memory (anonymous mmap) viewed as a uint8 tensor of ``capacity`` bytes."""
+
+    def __init__(self, capacity: int):
+        self.capacity = round_up(max(capacity, 1))
+        self.mm = mmap.mmap(-1, self.capacity)
+        self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
+
+    def view(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        return self.bytes[:numel * torch.empty((), dtype=dtype).element_size()].view(dtype)
+
+
+class BufferPool:
+    """Reused aligned buffers, free lists by capacity; exact accounting of the bytes it holds."""
+
+    def __init__(self):
+        self._free: dict[int, list[AlignedBuffer]] = {}
+        self._lock = threading.Lock()
+        self.held = 0  # bytes of all buffers this pool created (in use or free)
+        self.in_use = 0
+        self.peak_in_use = 0
+
+    def acquire(self, nbytes: int) -> AlignedBuffer:
+        cap = round_up(max(nbytes, 1))
+        with self._lock:
+            free = self._free.get(cap)
+            buf = free.pop() if free else None
+            if buf is None:
+                buf = AlignedBuffer(cap)
+                self.held += cap
+            self.in_use += cap
+            self.peak_in_use = max(self.peak_in_use, self.in_use)
+        return buf
+
+    def release(self, buf: AlignedBuffer) -> None:
+        with self._lock:
+            self.in_use -= buf.capacity
+            self._free.setdefault(buf.capacity, []).append(buf)
+
+    def trim(self) -> None:
+        """Drop the free buffers (returns their memory to the OS)."""
+        with self._lock:
+            for bufs in self._free.values():
+                for b in bufs:
+                    self.held -= b.capacity
+            self._free.clear()
+
+
+class PageFile:
+    """One shard on SSD: header + block-aligned payload, preallocated at creation."""
+
+    def __init__(self, path: str, key: str, numel: int, dtype: torch.dtype, direct: bool):
+        self.path, self.key, self.numel, self.dtype = path, key, numel, dtype
+        self.payload = numel * torch.empty((), dtype=dtype).element_size()
+        self.capacity = round_up(max(self.payload, 1))
+        self.file_bytes = HEADER_BYTES + self.capacity
+        self.direct = direct
+        self.fd = self._open(create=True)
+        try:
+            os.posix_fallocate(self.fd, 0, self.file_bytes)
+        except OSError as e:
+            os.close(self.fd)
+            os.unlink(path)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise SSDTierError(_no_space(path, self.file_bytes)) from None
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise SSDTierError(f"SSD tier: cannot preallocate {self.file_bytes} bytes for '{path}': {e}") from None
+            self.fd = self._open(create=True)
+
+    def _open(self, create: bool) -> int:
+        flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0)
+        if self.direct:
+            try:
+                return os.open(self.path, flags | os.O_DIRECT, 0o600)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise SSDTierError(f"SSD tier: cannot open page file '{self.path}': {e}") from None
+                self._drop_direct("open")
+        try:
+            return os.open(self.path, flags, 0o600)
+        except OSError as e:
+            raise SSDTierError(f"SSD tier: cannot open page file '{self.path}': {e}") from None
+
+    def _drop_direct(self, what: str) -> None:
+        logger.warning("zero_cache SSD tier: the filesystem of '%s' refuses O_DIRECT (%s); using buffered I/O",
+                       os.path.dirname(self.path), what)
+        self.direct = False
+
+    def _io(self, write: bool, mv: memoryview, offset: int, block: int) -> None:
+        done = 0
+        while done < len(mv):
+            piece = mv[done:done + block]
+            try:
+                n = (os.pwritev if write else os.preadv)(self.fd, [piece], offset + done)
+            except OSError as e:
+                if e.errno == errno.EINVAL and self.direct:  # O_DIRECT accepted at open, refused at I/O
+                    self._drop_direct("I/O")
+                    os.close(self.fd)
+                    self.fd = self._open(create=False)
+                    continue
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise SSDTierError(_no_space(self.path, self.file_bytes)) from None
+                raise SSDTierError(f"SSD tier: {'writing' if write else 'reading'} '{self.path}' failed: {e}") from None
+            if n == 0:
+                raise SSDTierError(f"SSD tier: page file '{self.path}' is truncated (read past its end at byte "
+                                   f"{offset + done}; expected {self.file_bytes} bytes)")
+            done += n
+
+    def write(self, buf: AlignedBuffer, block: int) -> None:
+        """Write ``buf``'s first ``payload`` bytes (its tail up to capacity is padding) and a fresh header."""
+        mv = memoryview(buf.mm)
+        crc = zlib.crc32(mv[:self.payload])
+        self._io(True, mv[:self.capacity], HEADER_BYTES, block)
+        header = AlignedBuffer(HEADER_BYTES)
+        key = self.key.encode()[:HEADER_BYTES - _HEADER.size]
+        _HEADER.pack_into(header.mm, 0, MAGIC, self.numel, self.payload, self.capacity, crc, len(key))
+        header.mm[_HEADER.size:_HEADER.size + len(key)] = key
+        self._io(True, memoryview(header.mm), 0, HEADER_BYTES)
+
+    def read(self, buf: AlignedBuffer, block: int) -> None:
+        """Fill ``buf`` with the payload; verify file size, header and checksum first/after."""
+        size = os.fstat(self.fd).st_size
+        if size < self.file_bytes:
+            raise SSDTierError(f"SSD tier: page file '{self.path}' is truncated: {size} bytes, expected "
+                               f"{self.file_bytes} (shard '{self.key}'); the swap directory was modified or the "
+                               f"disk failed")
+        header = AlignedBuffer(HEADER_BYTES)
+        self._io(False, memoryview(header.mm), 0, HEADER_BYTES)
+        magic, numel, payload, capacity, crc, _ = _HEADER.unpack_from(header.mm, 0)
+        if magic != MAGIC or numel != self.numel or payload != self.payload or capacity != self.capacity:
+            raise SSDTierError(f"SSD tier: page file '{self.path}' has a corrupted header (magic {magic!r}, "
+                               f"{numel} elements / {payload} bytes, expected {self.numel} / {self.payload})")
+        mv = memoryview(buf.mm)
+        self._io(False, mv[:self.capacity], HEADER_BYTES, block)
+        got = zlib.crc32(mv[:self.payload])
+        if got != crc:
+            raise SSDTierError(f"SSD tier: page file '{self.path}' is corrupted: payload CRC-32 {got:#010x}, "
+                               f"header says {crc:#010x} (shard '{self.key}')")
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _no_space(path: str, needed: int) -> str:
+    free = disk_free(os.path.dirname(path))
+    return (f"SSD tier: no space left for '{path}': {needed} bytes needed, {free} bytes free on its filesystem; "
+            f"free space, point nvme_path at a larger disk or keep more states on the host")
+
+
+class AioEngine:
+    """Thread pool for page-file jobs with a bounded queue and busy-time accounting."""
+
+    def __init__(self, cfg: AioConfig):
+        self.block = cfg.block_size
+        self.threads = cfg.intra_op_parallelism
+        self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="zero_cache_aio")
+        self._slots = threading.BoundedSemaphore(cfg.queue_depth * self.threads)
+        self._lock = threading.Lock()
+        self.intervals: list[tuple[float, float]] = []
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    def _run(self, write: bool, page: PageFile, buf: AlignedBuffer) -> None:
+        t0 = time.perf_counter()
+        try:
+            (page.write if write else page.read)(buf, self.block)
+        finally:
+            t1 = time.perf_counter()
+            with self._lock:
+                self.intervals.append((t0, t1))
+                if write:
+                    self.bytes_written += page.file_bytes
+                else:
+                    self.bytes_read += page.file_bytes
+            self._slots.release()
+
+    def submit(self, write: bool, page: PageFile, buf: AlignedBuffer) -> Future:
+        self._slots.acquire()  # queue_depth bound: the caller waits rather than queueing without limit
+        try:
+            return self._pool.submit(self._run, write, page, buf)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def busy_seconds_and_reset(self) -> tuple[float, int, int]:
+        """Wall time during which at least one job ran (union of intervals), bytes read, bytes written."""
+        with self._lock:
+            spans = sorted(self.intervals)
+            self.intervals = []
+            r, w = self.bytes_read, self.bytes_written
+            self.bytes_read = self.bytes_written = 0
+        busy, end = 0.0, float("-inf")
+        for a, b in spans:
+            if b <= end:
+                continue
+            busy += b - max(a, end)
+            end = b
+        return busy, r, w
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)

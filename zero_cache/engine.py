@@ -1,0 +1,338 @@
+"""The ZeRO engine: wraps any ``nn.Module``; forward, hook-driven gradient reduction, sharded step.
+
+Usage::
+
+    engine = zero_cache.initialize(model=model, config="ds_config.json", dp_group=dp_group)
+    for micro_batch in step_batches:             # gradient_accumulation_steps of them
+        loss = loss_fn(engine(micro_batch))
+        engine.backward(loss)                    # or torch.autograd.backward(out, grad) (pipeline stages)
+    result = engine.step(lr=lr)                  # StepResult(grad_norm, skipped, loss_scale)
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import checkpoint as ckpt
+from .builder import build_chunk, optimizer_tiers
+from .comm import Comm, CommProfiler, group_all_reduce
+from .config import ConfigError, ZeroCacheConfig, parse_config
+from .coordinator import ParamCoordinator
+from .grad_reducer import GradReducer
+from .loss_scaler import LossScaler
+from .optimizer import GroupHParams, ShardedAdam
+from .partition import FlatChunk, plan_chunks, plan_sub_groups
+from .ssd_store import SSDStore
+from .store import NVME, DeviceHostStore, MemoryReport, ShardStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    grad_norm: float  # global, unscaled, before clipping (inf/nan when the step overflowed)
+    skipped: bool  # True when non-finite gradients skipped the update
+    loss_scale: float  # scale that applied to this step's gradients
+    lr: float
+
+    @property
+    def update_successful(self) -> bool:
+        return not self.skipped
+
+
+class ZeroEngine:
+    def __init__(self, model: nn.Module, cfg: ZeroCacheConfig, *, dp_group=None, model_parallel_group=None,
+                 param_in_grad_norm: Callable[[nn.Parameter], bool] | None = None,
+                 tied_param_groups: Iterable[tuple[nn.Parameter, object]] | None = None,
+                 param_groups: list[dict] | None = None, store: ShardStore | None = None):
+        self.module = model
+        self.config = cfg
+        self.dp_group = dp_group
+        self.model_parallel_group = model_parallel_group
+        z = cfg.zero_optimization
+        self.profiler = CommProfiler(z.is_communication_time_profiling)
+        self.comm = Comm(dp_group, self.profiler)
+        self.dtype = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else torch.float32
+        managed = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not managed:
+            raise ValueError("zero_cache.initialize: the model has no parameters that require grad")
+        self.device = managed[0][1].device
+        hp = cfg.optimizer.params
+        self.groups, group_of = _param_groups(managed, param_groups, hp.weight_decay)
+        tied = list(tied_param_groups or [])
+        self.plans = plan_chunks(managed, group_of, stage=z.stage, page_numel=z.allgather_bucket_size,
+                                 dp_size=self.comm.size, persistence_threshold=z.stage3_param_persistence_threshold,
+                                 isolated={id(p) for p, _ in tied})
+        self.sub_groups = plan_sub_groups(self.plans, z.sub_group_size)
+        tiers = optimizer_tiers(self.sub_groups, len(self.plans), cfg)
+        pin = z.offload_param.pin_memory or z.offload_optimizer.pin_memory
+        if store is None and NVME in tiers:
+            store = SSDStore(self.device, z.offload_optimizer.nvme_path, cfg.aio, rank=_global_rank(), pin_host=pin)
+        self.store = store or DeviceHostStore(self.device, pin_host=pin)
+        with torch.no_grad():
+            self.chunks: list[FlatChunk] = [build_chunk(p, tiers[p.index], self.store, self.comm, cfg, self.dtype,
+                                                        self.device) for p in self.plans]
+        chunk_of = {id(s.param): c.index for c in self.chunks for s in c.plan.slots}
+        self._norm_ranges = _norm_ranges(self.chunks, param_in_grad_norm)
+        self._callback_task = None
+        self.coordinator = None
+        if any(not c.plan.resident for c in self.chunks):
+            self.coordinator = ParamCoordinator(self.chunks, self.comm, z, self._on_backward_activity)
+            self.coordinator.register_model(model)
+        self.reducer = GradReducer(
+            self.chunks, self.comm, self.store, mode="full" if z.stage == 1 else "shard",
+            max_events=z.max_param_reduce_events, tied_groups={chunk_of[id(p)]: g for p, g in tied},
+            on_backward_activity=self._on_backward_activity,
+            on_chunk_done=self.coordinator.maybe_release if self.coordinator else None)
+        self.optimizer = ShardedAdam(self.chunks, self.sub_groups, self.groups, lr=hp.lr, betas=hp.betas,
+                                     eps=hp.eps, decoupled=cfg.optimizer.type == "AdamW",
+                                     pipeline=z.pipeline_optimizer, store=self.store)
+        self.scaler = LossScaler(cfg.fp16)
+        self.global_steps = 0
+
+    # ---- forward / backward ---------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def train(self, mode: bool = True) -> "ZeroEngine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "ZeroEngine":
+        return self.train(False)
+
+    @property
+    def loss_scale(self) -> float:
+        """Factor every backward must carry (pipeline stages receive gradients already multiplied by it)."""
+        return self.scaler.scale
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
+        """``loss * loss_scale`` (divided by gradient_accumulation_steps unless told not to), then backward."""
+        factor = self.loss_scale / (self.gradient_accumulation_steps if scale_wrt_gas else 1)
+        (loss.float() * factor).backward()
+
+    def register_external_parameter(self, module: nn.Module, param: nn.Parameter) -> None:
+        """Declare that ``module``'s forward uses ``param`` owned elsewhere (e.g. a tied output head)."""
+        if self.coordinator is not None:
+            self.coordinator.add_external(module, param)
+
+    def _on_backward_activity(self) -> None:
+        """Queue one end-of-backward callback per autograd pass, however backward was started."""
+        task = torch._C._current_graph_task_id()
+        if task != self._callback_task:
+            self._callback_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        self._callback_task = None
+        self.reducer.end_backward()
+        if self.coordinator is not None:
+            self.coordinator.release_idle()
+
+    # ---- step -------------------------------------------------------------------------------------------
+    def step(self, lr: float | None = None) -> StepResult:
+        """Finish gradient reduction, check overflow, clip by the global norm, update the shards."""
+        if lr is not None:
+            self.optimizer.lr = lr
+        self.reducer.end_step()
+        if self.coordinator is not None:
+            self.coordinator.end_step()
+        scale = self.scaler.scale
+        sq, overflow = self._global_norm_sq_and_overflow()
+        grad_norm = math.sqrt(sq) / scale if not overflow else float("inf")
+        if not overflow:
+            clip = self.config.gradient_clipping
+            coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
+            self.optimizer.step(grad_scale=scale / coef)
+            self.refresh_resident_params()
+            self.global_steps += 1
+        for c in self.chunks:
+            c.grad.zero_()
+        self.scaler.update(overflow)
+        if overflow:
+            logger.warning("zero_cache: gradient overflow, step skipped; loss scale %s -> %s", scale,
+                           self.scaler.scale)
+        if self.profiler.enabled and (self.global_steps % self.config.steps_per_print == 0 or overflow):
+            logger.info("zero_cache comm step %d: %s", self.global_steps, self.profiler.summary_and_reset())
+        if self.optimizer.last_swap is not None and self.global_steps % self.config.steps_per_print == 0:
+            logger.info("zero_cache step %d: %s; %s", self.global_steps, self.optimizer.last_swap,
+                        self.memory_report())
+        return StepResult(grad_norm, overflow, scale, self.optimizer.lr)
+
+    def _global_norm_sq_and_overflow(self) -> tuple[float, bool]:
+        stats = torch.zeros(2, dtype=torch.float64, device=self.device)  # [sum of squares, non-finite count]
+        for c, ranges in zip(self.chunks, self._norm_ranges):
+            parts = [c.grad] if ranges is None else [c.grad[a:b] for a, b in ranges]
+            local = torch.zeros(2, dtype=torch.float64, device=c.grad.device)
+            for t in parts:
+                local[0] += torch.linalg.vector_norm(t, dtype=torch.float32).double() ** 2
+            local[1] = (~torch.isfinite(c.grad)).any().double()
+            stats += local.to(self.device)
+        self.comm.all_reduce(stats, tag="grad_norm")
+        group_all_reduce(stats, self.model_parallel_group)
+        sq, bad = stats.tolist()
+        return sq, bool(bad > 0 or not math.isfinite(sq))
+
+    def refresh_resident_params(self) -> None:
+        """Resident chunks (after an update or a load): every rank updated its slice; all-gather the slices back into the full buffer."""
+        handles = [self.comm.all_gather(c.full, c.shard_of_full(), tag=f"chunk{c.index}", async_op=True)
+                   for c in self.chunks if c.plan.resident]
+        for h in handles:
+            h.wait()
+
+    # ---- reporting / export ---------------------------------------------------------------------------
+    def memory_report(self) -> MemoryReport:
+        report = MemoryReport()
+        for (kind, tier), n in self.store.nbytes().items():
+            report.by_kind[kind] = report.by_kind.get(kind, 0) + n
+            report.by_tier[tier] = report.by_tier.get(tier, 0) + n
+            report.by_kind_tier[(kind, tier)] = n
+        if self.coordinator is not None:
+            report.gathered_now = self.coordinator.gathered_bytes
+            report.gathered_peak = self.coordinator.gathered_peak
+        pool = getattr(self.store, "pool", None)
+        if pool is not None:
+            report.swap_buffers_now, report.swap_buffers_peak = pool.in_use, pool.peak_in_use
+        return report
+
+    def swap_stats(self):
+        """SSD traffic and measured overlap of the last optimizer step (None without SSD-tier states)."""
+        return self.optimizer.last_swap
+
+    def state_tensor(self, chunk: FlatChunk, name: str) -> torch.Tensor:
+        """Chunk ``chunk``'s state ``name`` (master, exp_avg, exp_avg_sq) wherever it lives (SSD: a host copy)."""
+        if name in chunk.swapped:
+            return self.store.read(chunk.state_key(name))
+        return getattr(chunk, name)
+
+    def set_state_tensor(self, chunk: FlatChunk, name: str, value: torch.Tensor) -> None:
+        if name in chunk.swapped:
+            self.store.put(chunk.state_key(name), value)
+        else:
+            getattr(chunk, name).copy_(value)
+
+    def close(self) -> None:
+        """Release the store's files and threads (the SSD tier's swap directory is removed)."""
+        self.store.close()
+
+    def gather_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """Full fp32 state dict (CPU tensors) gathered one chunk at a time; empty on other ranks if rank0_only.
+
+        The result holds the whole model on the receiving rank: for big models use the sharded checkpoint
+        and ``python -m zero_cache.checkpoint.consolidate`` instead.
+        """
+        keep = not rank0_only or self.comm.rank == 0
+        aliases = _param_aliases(self.module)
+        out: dict[str, torch.Tensor] = {}
+        for c in self.chunks:
+            full = torch.empty(c.plan.padded, dtype=torch.float32, device=self.device)
+            self.comm.all_gather(full, self.state_tensor(c, "master").to(self.device), tag=f"export{c.index}")
+            if keep:
+                for s in c.plan.slots:
+                    t = full[s.offset:s.offset + s.numel].view(s.shape).cpu().clone()
+                    for name in aliases[id(s.param)]:
+                        out[name] = t
+        if keep:
+            managed = {id(s.param) for c in self.chunks for s in c.plan.slots}
+            for name, p in self.module.named_parameters(remove_duplicate=False):
+                if id(p) not in managed:
+                    out[name] = p.detach().float().cpu().clone()
+            for name, b in self.module.named_buffers():
+                out[name] = b.detach().cpu().clone()
+        return out
+
+    # ---- checkpoints ------------------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
+        """Each rank writes its own shards; ``latest`` is written last. Returns the tag directory."""
+        return ckpt.save(self, save_dir, tag or f"global_step{self.global_steps}", client_state or {})
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None,
+                        load_optimizer_states: bool = True) -> tuple[str, dict]:
+        """Restore this rank's shards; returns (tag directory, client_state)."""
+        return ckpt.load(self, load_dir, tag, load_optimizer_states)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def mp_rank(self) -> int:
+        g = self.model_parallel_group
+        return dist.get_rank(g) if g is not None and dist.is_initialized() else 0
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _param_groups(managed, param_groups, default_wd) -> tuple[list[GroupHParams], dict[int, int]]:
+    if param_groups is None:
+        return [GroupHParams(default_wd)], {id(p): 0 for _, p in managed}
+    groups, group_of = [], {}
+    for g, spec in enumerate(param_groups):
+        unknown = set(spec) - {"params", "weight_decay"}
+        if unknown or "params" not in spec:
+            raise ValueError(f"zero_cache.initialize: param_groups[{g}] must be {{'params': [...], "
+                             f"'weight_decay': float}}, got keys {sorted(spec)}")
+        groups.append(GroupHParams(float(spec.get("weight_decay", default_wd))))
+        for p in spec["params"]:
+            if id(p) in group_of:
+                raise ValueError(f"zero_cache.initialize: a parameter appears in param_groups {group_of[id(p)]} "
+                                 f"and {g}; list each parameter once")
+            group_of[id(p)] = g
+    missing = [n for n, p in managed if id(p) not in group_of]
+    if missing:
+        raise ValueError(f"zero_cache.initialize: parameters {missing[:5]} are in no param group; "
+                         f"every trainable parameter must be listed")
+    return groups, group_of
+
+
+def _param_aliases(model: nn.Module) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out.setdefault(id(p), []).append(name)
+    return out
+
+
+def _norm_ranges(chunks: list[FlatChunk], counts: Callable[[nn.Parameter], bool] | None):
+    """Per chunk: None (the whole shard counts in the grad norm) or the shard ranges that count."""
+    out = []
+    for c in chunks:
+        if counts is None or all(counts(s.param) for s in c.plan.slots):
+            out.append(None)
+        else:
+            out.append([(g.shard_lo, g.shard_hi) for g in c.segments if counts(g.slot.param)])
+    return out
+
+
+def initialize(model: nn.Module, config: dict | str | ZeroCacheConfig, dp_group=None, model_parallel_group=None,
+               param_in_grad_norm: Callable[[nn.Parameter], bool] | None = None,
+               tied_param_groups: Iterable[tuple[nn.Parameter, object]] | None = None,
+               param_groups: list[dict] | None = None) -> ZeroEngine:
+    """Wrap ``model`` (already on its compute device) in a ZeRO engine.
+
+    dp_group: data-parallel group the states are sharded over (default: the world, or none at all).
+    model_parallel_group: TPxPP group over which the grad norm and the overflow flag are also reduced.
+    param_in_grad_norm(param): whether this rank counts ``param`` in the global norm (skip duplicates).
+    tied_param_groups: (param, group) pairs whose gradients are summed across ``group`` before the step.
+    param_groups: optional [{'params': [...], 'weight_decay': x}] (default: one group, config's decay).
+    """
+    if dp_group is not None and not dist.is_initialized():
+        raise ConfigError("zero_cache.initialize: dp_group given but torch.distributed is not initialised")
+    dp = dist.get_world_size(dp_group) if dist.is_initialized() else 1
+    cfg = parse_config(config, dp)
+    return ZeroEngine(model, cfg, dp_group=dp_group, model_parallel_group=model_parallel_group,
+                      param_in_grad_norm=param_in_grad_norm, tied_param_groups=tied_param_groups,
+                      param_groups=param_groups)

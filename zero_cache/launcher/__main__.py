@@ -1,0 +1,5 @@
+import sys
+
+from zero_cache.launcher.runner import main
+
+sys.exit(main())

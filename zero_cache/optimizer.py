@@ -1,0 +1,159 @@
+"""Adam/AdamW over this rank's shards, one sub-group at a time, with torch's fused (vectorised) kernel.
+
+Sub-groups are consecutive chunks of one parameter group holding at most ``sub_group_size`` shard
+elements; their tensors live in one tier, so each sub-group is a single ``torch._fused_adamw_`` call
+(the CPU kernel behind ``torch.optim.AdamW(fused=True)``). Unscaling and clipping are folded into the
+kernel's ``grad_scale``. With ``pipeline_optimizer`` the write-back of sub-group i (fp32 master ->
+compute-dtype parameter shard, possibly host -> device) runs on a worker thread while sub-group i+1
+is updated.
+
+Sub-groups whose states live on the SSD tier are swapped in, updated and swapped out. With
+``pipeline_optimizer`` this is a three-stage pipeline on the store's I/O threads: while sub-group i is
+updated, i+1 is being read (read-ahead) and i-1 written back; at most three sub-groups' staging buffers
+exist at once. Without it each sub-group is read, updated and written in turn. ``last_swap`` reports the
+step's I/O time, the time the step was blocked on it, and their difference (the I/O hidden by compute).
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from .partition import FlatChunk
+from .store import ShardStore
+
+
+@dataclass
+class GroupHParams:
+    weight_decay: float
+
+
+@dataclass(frozen=True)
+class SwapStats:
+    """SSD traffic of one optimizer step."""
+    io_seconds: float  # wall time during which SSD reads/writes were in flight
+    wait_seconds: float  # time the step was blocked waiting for them
+    bytes_read: int
+    bytes_written: int
+
+    @property
+    def hidden_seconds(self) -> float:
+        return max(self.io_seconds - self.wait_seconds, 0.0)
+
+    @property
+    def overlap(self) -> float:
+        """Share of the I/O time hidden behind compute (0 = fully exposed, 1 = fully hidden)."""
+        return self.hidden_seconds / self.io_seconds if self.io_seconds > 0 else 0.0
+
+    def __str__(self) -> str:
+        return (f"SSD read {self.bytes_read / 2**20:.1f}MiB, wrote {self.bytes_written / 2**20:.1f}MiB, "
+                f"I/O {self.io_seconds * 1e3:.1f}ms, blocked {self.wait_seconds * 1e3:.1f}ms, "
+                f"hidden {100 * self.overlap:.0f}%")
+
+
+class ShardedAdam:
+    def __init__(self, chunks: list[FlatChunk], sub_groups: list[list[int]], groups: list[GroupHParams], *,
+                 lr: float, betas: tuple[float, float], eps: float, decoupled: bool, pipeline: bool,
+                 store: ShardStore | None = None):
+        self.chunks = chunks
+        self.sub_groups = sub_groups
+        self.groups = groups
+        self.lr = lr
+        self.betas = betas
+        self.eps = eps
+        self.kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        self.pipeline = pipeline
+        self.store = store
+        self.swapped = [any(self.chunks[i].swapped for i in sg) for sg in sub_groups]
+        self.last_swap: SwapStats | None = None
+
+    def _swap_keys(self, k: int) -> list[tuple[FlatChunk, str]]:
+        return [(self.chunks[i], name) for i in self.sub_groups[k] for name in self.chunks[i].swapped]
+
+    def _swap_in(self, k: int):
+        pairs = self._swap_keys(k)
+        return pairs, self.store.swap_in([c.state_key(n) for c, n in pairs])
+
+    def step(self, grad_scale: float) -> None:
+        """One update of every shard; gradients are divided by ``grad_scale`` inside the kernel."""
+        aio = getattr(self.store, "aio", None) if any(self.swapped) else None
+        if aio is not None:
+            aio.busy_seconds_and_reset()
+        pool = ThreadPoolExecutor(max_workers=1) if self.pipeline else None
+        futures, reads, writes = [], {}, []
+        waited = 0.0
+        n = len(self.sub_groups)
+        try:
+            for k, sg in enumerate(self.sub_groups):
+                if self.swapped[k]:
+                    for j in (k, k + 1) if self.pipeline else (k,):  # read-ahead of the next sub-group
+                        if j < n and self.swapped[j] and j not in reads:
+                            reads[j] = self._swap_in(j)
+                    pairs, handle = reads.pop(k)
+                    for (c, name), t in zip(pairs, handle.wait()):
+                        setattr(c, name, t)
+                    waited += handle.waited
+                cs = [self.chunks[i] for i in sg]
+                self._update(cs, grad_scale)
+                todo = [c for c in cs if not c.master_is_param()]
+                if self.swapped[k]:
+                    _write_back(todo)  # before the master's staging buffer is handed back
+                    tensors = [getattr(c, name) for c, name in pairs]
+                    for c, name in pairs:
+                        setattr(c, name, None)
+                    writes.append(self.store.swap_out([c.state_key(nm) for c, nm in pairs], tensors))
+                    while len(writes) > (1 if self.pipeline else 0):  # write-back of i-1 overlaps i
+                        w = writes.pop(0)
+                        w.wait()
+                        waited += w.waited
+                elif todo:
+                    if pool is None:
+                        _write_back(todo)
+                    else:
+                        futures.append(pool.submit(_write_back, todo))
+            for w in writes:
+                w.wait()
+                waited += w.waited
+            for f in futures:
+                f.result()
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
+            for _, h in reads.values():  # after an error: no I/O may still target a staging buffer
+                if _quiet_wait(h):
+                    self.store.release(h.wait())
+            for w in writes:
+                _quiet_wait(w)
+        if aio is not None:
+            io, r, w = aio.busy_seconds_and_reset()
+            self.last_swap = SwapStats(io, waited, r, w)
+
+    def _update(self, cs: list[FlatChunk], grad_scale: float) -> None:
+        masters = [c.master for c in cs]
+        steps = [c.step for c in cs]
+        torch._foreach_add_(steps, 1.0)
+        scale = None
+        if grad_scale != 1.0:
+            scale = torch.tensor(grad_scale, dtype=torch.float32, device=masters[0].device)
+        self.kernel(masters, [c.grad for c in cs], [c.exp_avg for c in cs], [c.exp_avg_sq for c in cs], [],
+                    steps, lr=self.lr, beta1=self.betas[0], beta2=self.betas[1],
+                    weight_decay=self.groups[cs[0].plan.group].weight_decay, eps=self.eps,
+                    amsgrad=False, maximize=False, grad_scale=scale, found_inf=None)
+
+    def state_dict(self) -> dict:
+        return {"lr": self.lr, "betas": list(self.betas), "eps": self.eps}
+
+
+def _write_back(chunks: list[FlatChunk]) -> None:
+    for c in chunks:
+        c.param_shard.copy_(c.master)
+
+
+def _quiet_wait(handle) -> bool:
+    """Wait for ``handle``; False if it failed (the step is already failing with the first error)."""
+    try:
+        handle.wait()
+    except Exception:
+        return False
+    return True

@@ -1,0 +1,156 @@
+"""Where shards of model state live: one small interface, one tier implementation for now.
+
+Every persistent model-state tensor the engine owns (parameter shards or resident flat buffers, fp32
+masters, gradient shards, Adam moments) is allocated through a ``ShardStore`` under a key, with a *kind*
+(what it is) and a *tier* (where it lives). The engine never calls ``torch.empty`` for model state
+itself, so a later store can put a tier on SSD or move shards between tiers without engine changes,
+and the byte accounting (``memory_report``) is exact by construction.
+"""
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+KINDS = ("params", "grads", "optimizer")
+DEVICE, HOST, NVME = "device", "host", "nvme"
+TIERS = (DEVICE, HOST, NVME)
+
+
+@dataclass
+class MemoryReport:
+    """Bytes of model state held by this rank, per kind and per tier, plus transient gather buffers."""
+    by_kind: dict[str, int] = field(default_factory=dict)
+    by_tier: dict[str, int] = field(default_factory=dict)
+    by_kind_tier: dict[tuple[str, str], int] = field(default_factory=dict)
+    gathered_now: int = 0
+    gathered_peak: int = 0
+    swap_buffers_now: int = 0  # aligned host staging buffers of the SSD tier (in use), bytes
+    swap_buffers_peak: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_kind.values())
+
+    def __str__(self) -> str:
+        kinds = ", ".join(f"{k}={v / 2**20:.2f}MiB" for k, v in self.by_kind.items())
+        tiers = ", ".join(f"{k}={v / 2**20:.2f}MiB" for k, v in self.by_tier.items())
+        swap = (f"; SSD staging buffers now {self.swap_buffers_now / 2**20:.2f}MiB, peak "
+                f"{self.swap_buffers_peak / 2**20:.2f}MiB") if self.by_tier.get(NVME) else ""
+        return (f"model states {self.total / 2**20:.2f}MiB ({kinds}; {tiers}); gathered params now "
+                f"{self.gathered_now / 2**20:.2f}MiB, peak {self.gathered_peak / 2**20:.2f}MiB{swap}")
+
+
+class ShardStore(ABC):
+    """Owner of every persistent model-state tensor; tensors are addressed by a string key."""
+
+    @abstractmethod
+    def allocate(self, key: str, kind: str, tier: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Create a zero-filled flat tensor under ``key`` and return it."""
+
+    @abstractmethod
+    def get(self, key: str) -> torch.Tensor:
+        """The tensor stored under ``key`` (usable in place)."""
+
+    @abstractmethod
+    def put(self, key: str, value: torch.Tensor) -> None:
+        """Copy ``value`` into the tensor stored under ``key`` (same numel; dtype/tier converted)."""
+
+    @abstractmethod
+    def tier_of(self, key: str) -> str:
+        """The tier ``key`` lives in."""
+
+    @abstractmethod
+    def nbytes(self) -> dict[tuple[str, str], int]:
+        """Bytes held per (kind, tier)."""
+
+    def read(self, key: str) -> torch.Tensor:
+        """A host copy of ``key``'s values (works for every tier, SSD included)."""
+        return self.get(key).detach().cpu().clone()
+
+    def swap_in(self, keys: list[str]) -> "SwapHandle":
+        """Start reading SSD-tier ``keys`` into host staging buffers; ``wait()`` returns the tensors."""
+        raise ValueError(f"this store has no SSD tier; shards {keys} cannot be swapped in")
+
+    def swap_out(self, keys: list[str], tensors: list[torch.Tensor]) -> "SwapHandle":
+        """Start writing swapped-in tensors back to SSD and recycle their buffers once written."""
+        raise ValueError(f"this store has no SSD tier; shards {keys} cannot be swapped out")
+
+    def close(self) -> None:
+        """Release files and threads (the SSD tier removes its swap directory)."""
+
+
+class SwapHandle:
+    """An SSD transfer in flight; ``wait()`` returns its tensors and counts the time spent blocked."""
+
+    def __init__(self, futures, result, on_wait=None, on_error=None):
+        self._futures, self._result = futures, result
+        self._on_wait, self._on_error = on_wait, on_error
+        self.waited = 0.0
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def wait(self):
+        t0 = time.perf_counter()
+        errors = []
+        for f in self._futures:
+            try:
+                f.result()
+            except BaseException as e:  # wait for every job before raising, so no buffer is still in use
+                errors.append(e)
+        self._futures = []
+        self.waited += time.perf_counter() - t0
+        if self._on_wait is not None:
+            self._on_wait(self)
+            self._on_wait = None
+        if errors:
+            if self._on_error is not None:
+                self._on_error()
+                self._on_error = None
+            raise errors[0]
+        return self._result
+
+
+class DeviceHostStore(ShardStore):
+    """Two tiers: the compute device and host memory (pinned when the device is an accelerator)."""
+
+    def __init__(self, device: torch.device, pin_host: bool = False):
+        self.device = torch.device(device)
+        self.pin_host = pin_host and self.device.type != "cpu" and torch.cuda.is_available()
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._meta: dict[str, tuple[str, str]] = {}
+
+    def allocate(self, key, kind, tier, numel, dtype):
+        if key in self._tensors:
+            raise KeyError(f"shard '{key}' is already allocated")
+        if kind not in KINDS or tier not in (DEVICE, HOST):
+            raise ValueError(f"bad kind/tier {kind!r}/{tier!r} for DeviceHostStore; kinds {KINDS}, tiers "
+                             f"{(DEVICE, HOST)} (the '{NVME}' tier needs zero_cache.ssd_store.SSDStore)")
+        dev = self.device if tier == DEVICE else torch.device("cpu")
+        t = torch.zeros(numel, dtype=dtype, device=dev)
+        if tier == HOST and self.pin_host:
+            t = t.pin_memory()
+        self._tensors[key] = t
+        self._meta[key] = (kind, tier)
+        return t
+
+    def get(self, key):
+        return self._tensors[key]
+
+    def put(self, key, value):
+        dst = self._tensors[key]
+        if value.numel() != dst.numel():
+            raise ValueError(f"shard '{key}' holds {dst.numel()} elements, got {value.numel()}")
+        dst.copy_(value.reshape(-1), non_blocking=self.pin_host)
+
+    def tier_of(self, key):
+        return self._meta[key][1]
+
+    def nbytes(self):
+        out: dict[tuple[str, str], int] = {}
+        for key, t in self._tensors.items():
+            out[self._meta[key]] = out.get(self._meta[key], 0) + t.numel() * t.element_size()
+        return out
