@@ -22,8 +22,8 @@ def model_provider(config: TransformerConfig, rng_tracker: RNGStatesTracker) -> 
     return GPTModel(config, rng_tracker=rng_tracker)
 
 
-def datasets_provider(cfg: Config, tokenizer, num_samples: tuple[int, int, int]):
-    return build_train_valid_test_datasets(cfg.data, tokenizer, cfg.args.seq_length, num_samples, cfg.args.seed,
+def datasets_provider(cfg: Config, tokenizer, seq_length: int, num_samples: tuple[int, int, int]):
+    return build_train_valid_test_datasets(cfg.data, tokenizer, seq_length, num_samples, cfg.train.seed,
                                            vocab_size=tokenizer.vocab_size)
 
 
@@ -37,9 +37,9 @@ def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 def forward_step(cfg: Config, eod: int, device: torch.device, data_iterator, model):
     text = next(data_iterator)["text"].long()
     tokens, labels = text[:, :-1].contiguous().to(device), text[:, 1:].contiguous().to(device)
-    a = cfg.args
+    d = cfg.data
     attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
-        tokens, eod, a.reset_position_ids, a.reset_attention_mask, a.eod_mask_loss)
+        tokens, eod, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss)
     output = model(tokens, position_ids, attention_mask, labels=labels)
     return output, partial(loss_func, loss_mask)
 

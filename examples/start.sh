@@ -18,7 +18,7 @@ cd "$ROOT"
 SIZE="${1:-default}"
 # name: layers hidden heads ffn micro-batch   (the table users pick from)
 read -r -d '' TABLE <<'TAB' || true
-default   6    256   8     1024   8
+default   6    256   8     1024   4
 125m      12   768   12    3072   8
 350m      24   1024  16    4096   8
 760m      24   1536  16    6144   4
@@ -55,7 +55,7 @@ MBS="${MBS:-$TABLE_MBS}"
 DP=$(( NPROC / (TP * PP) ))
 GBS="${GBS:-$(( MBS * DP * 2 ))}"
 SEQ_LEN="${SEQ_LEN:-256}"
-if [ "$SIZE" = default ]; then TRAIN_ITERS="${TRAIN_ITERS:-200}"; LR="${LR:-1e-3}"; else TRAIN_ITERS="${TRAIN_ITERS:-1000}"; LR="${LR:-3e-4}"; fi
+if [ "$SIZE" = default ]; then TRAIN_ITERS="${TRAIN_ITERS:-100}"; LR="${LR:-1e-3}"; else TRAIN_ITERS="${TRAIN_ITERS:-1000}"; LR="${LR:-3e-4}"; fi
 
 # Data: the bundled sample corpus unless DATA_PATH is given.
 DATA_ARGS=()

@@ -59,7 +59,7 @@ class ZeroConfigArgs:
 
 @dataclass(frozen=True)
 class Config:
-    args: argparse.Namespace  # kept only to be stored in checkpoints (Megatron's args dict)
+    args: argparse.Namespace  # the raw flags: model shape (built after the tokenizer) and checkpoint 'args'
     parallel: ParallelConfig
     train: TrainConfig
     optimizer: OptimizerConfig

@@ -248,7 +248,7 @@ def _gather_dp_rng_states(mesh: _Mesh, rng_tracker) -> list[dict]:
 # ----- save / load -----
 def save_checkpoint(cfg: CheckpointConfig, iteration: int, model: torch.nn.Module, optimizer, scheduler, *,
                     consumed_samples: int, args: dict, rng_tracker=None) -> str:
-    """Write ``<save>/iter_XXXXXXX`` for this rank's (tp, pp) and update the tracker. All ranks must call it.
+    """Write ``<save>/iter_<iteration, 7 digits>`` for this rank's (tp, pp) and update the tracker. All ranks must call it.
 
     ``optimizer.state_dict()`` and ``scheduler.state_dict()`` are called on every rank (they may be
     collective); only data-parallel rank 0 of each (tp, pp) writes. Returns the iteration directory.

@@ -102,7 +102,7 @@ def checkpoint_args(cfg: Config, model_cfg: TransformerConfig) -> dict:
 
 def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
              forward_step_provider: Callable[..., ForwardStepFunc]) -> TrainResult:
-    """Train ``model_provider(model_cfg, rng_tracker)`` on ``datasets_provider(cfg, tokenizer, samples)``,
+    """Train ``model_provider(model_cfg, rng_tracker)`` on ``datasets_provider(cfg, tokenizer, seq, samples)``,
     one micro-batch at a time through ``forward_step_provider(cfg, tokenizer, device)``."""
     device = initialize_distributed(cfg.parallel)
     rng_tracker = set_random_seed(cfg.train.seed, device)
@@ -119,7 +119,7 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
     iteration, consumed = backend.load_checkpoint(cfg.checkpoint, scheduler, rng_tracker)
 
     forward_step_func = forward_step_provider(cfg, tokenizer, device)
-    train_ds, valid_ds, _ = datasets_provider(cfg, tokenizer, num_samples(cfg))
+    train_ds, valid_ds, _ = datasets_provider(cfg, tokenizer, model_cfg.seq_length, num_samples(cfg))
     par, t = cfg.parallel, cfg.train
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     workers = cfg.data.num_workers

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 
 import torch
 
@@ -35,26 +36,24 @@ def deepspeed_config(cfg: Config) -> dict:
             ds = json.load(f)
         except json.JSONDecodeError as e:
             raise ConfigError(f"--deepspeed_config {cfg.zero.config_path}: invalid JSON ({e})") from None
-    par, a = cfg.parallel, cfg.args
+    par, o = cfg.parallel, cfg.optimizer
     _agree(ds, "train_micro_batch_size_per_gpu", par.micro_batch_size, "--micro-batch-size")
     _agree(ds, "gradient_accumulation_steps", par.num_microbatches,
            "--global-batch-size / (--micro-batch-size x data-parallel size)")
     _agree(ds, "train_batch_size", par.global_batch_size, "--global-batch-size")
     if cfg.zero.zero_stage is not None:
         ds.setdefault("zero_optimization", {})["stage"] = cfg.zero.zero_stage
-    for key, on in (("bf16", a.bf16), ("fp16", a.fp16)):
+    for key, on in (("bf16", o.bf16), ("fp16", o.fp16)):
         block = ds.setdefault(key, {})
         if "enabled" in block and bool(block["enabled"]) != on:
             raise ConfigError(f"deepspeed config '{key}.enabled' is {block['enabled']} but --{key} is "
                               f"{'set' if on else 'not set'}; make them agree")
         block["enabled"] = on
-    if a.fp16 and "loss_scale" not in ds["fp16"]:
-        opt = cfg.optimizer
-        ds["fp16"].update(loss_scale=opt.loss_scale or 0.0, loss_scale_window=opt.loss_scale_window,
-                          hysteresis=opt.hysteresis, min_loss_scale=opt.min_loss_scale,
-                          initial_scale_power=int(round(torch.log2(torch.tensor(opt.initial_loss_scale)).item())))
-    ds.setdefault("gradient_clipping", cfg.optimizer.clip_grad)
-    o = cfg.optimizer
+    if o.fp16 and "loss_scale" not in ds["fp16"]:
+        ds["fp16"].update(loss_scale=o.loss_scale or 0.0, loss_scale_window=o.loss_scale_window,
+                          hysteresis=o.hysteresis, min_loss_scale=o.min_loss_scale,
+                          initial_scale_power=int(round(math.log2(o.initial_loss_scale))))
+    ds.setdefault("gradient_clipping", o.clip_grad)
     ds.setdefault("optimizer", {"type": "AdamW", "params": {
         "lr": o.lr, "betas": [o.adam_beta1, o.adam_beta2], "eps": o.adam_eps, "weight_decay": o.weight_decay}})
     return ds

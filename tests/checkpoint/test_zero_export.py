@@ -1,10 +1,15 @@
-"""A ZeRO-3 checkpoint of the trainer consolidates (streaming) to the full fp32 weights and exports to HF."""
+"""A trained ZeRO-3 checkpoint consolidates (streaming) to the trained fp32 weights; its HF export gives our logits."""
+import json
+
 import pytest
 import torch
+
+from megatron.model.gpt_model import GPTModel
 
 from tests.training.parallel_harness import LLAMA_STYLE, TINY_GPT, train
 from tests.training.test_zero_trainer import _ds_config
 from tools.checkpoint.convert_to_hf import convert
+from tools.checkpoint.loader import model_config_from_args
 from tools.checkpoint.zero_to_fp32 import zero_to_fp32
 from zero_cache.checkpoint.consolidate import load_consolidated
 
@@ -13,7 +18,7 @@ from zero_cache.checkpoint.consolidate import load_consolidated
     ([], ["--pipeline-model-parallel-size", "2"]),  # tied embedding across stages
     (LLAMA_STYLE, ["--tensor-model-parallel-size", "2"]),  # tensor-parallel shards joined
 ], ids=["gpt2-pp2dp2", "llama-tp2dp2"])
-def test_zero3_checkpoint_consolidates_to_trained_weights(tmp_path, extra, mesh):
+def test_zero3_checkpoint_consolidates_to_trained_weights(single_rank, tmp_path, extra, mesh):
     save = ["--save", str(tmp_path / "ckpt"), "--train-iters", "3"]
     argv = [a for a in TINY_GPT] + extra + mesh + _ds_config(tmp_path, 3) + save
     _, trained, _ = train(argv, 4)
@@ -23,6 +28,11 @@ def test_zero3_checkpoint_consolidates_to_trained_weights(tmp_path, extra, mesh)
     assert state.keys() == trained.keys()
     for name, t in trained.items():
         torch.testing.assert_close(state[name], t, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
-    hf = convert(str(tmp_path / "hf"), state_dict=str(out))  # args come from out/args.json
-    emb = hf.get_input_embeddings().weight
-    torch.testing.assert_close(emb, trained["embedding.word_embeddings.weight"], rtol=0, atol=0)
+    hf = convert(str(tmp_path / "hf"), state_dict=str(out)).eval()  # args come from out/args.json
+    cfg = model_config_from_args(json.loads((out / "args.json").read_text()))
+    ours = GPTModel(cfg).eval()
+    ours.load_state_dict(state, strict=True)
+    ids = torch.randint(0, 100, (2, cfg.seq_length), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = ours(ids, torch.arange(cfg.seq_length).expand(2, -1))
+        torch.testing.assert_close(hf(ids).logits, ref, rtol=0, atol=1e-4)

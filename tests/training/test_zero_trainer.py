@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from tests.training.test_parallel_equivalence import MESHES, _check
 
@@ -70,3 +71,13 @@ def test_misspelled_key_names_the_nearest(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "sub_grup_size" in proc.stderr and "sub_group_size" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("precision", ["--bf16", "--fp16"])
+def test_zero3_mixed_precision_trains(tmp_path, precision):
+    from tests.training.parallel_harness import TINY_GPT, train
+
+    argv = TINY_GPT + _ds_config(tmp_path, 3) + [precision, "--initial-loss-scale", "4096"]
+    losses, params, _ = train(argv, 2)
+    assert losses[10] < losses[1] - 0.1
+    assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in params.values())

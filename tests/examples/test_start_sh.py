@@ -1,0 +1,39 @@
+"""examples/start.sh, the README's main command: sizes table, and a short real run on the sample corpus."""
+import os
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*args, env=None, timeout=600):
+    return subprocess.run(["bash", "examples/start.sh", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_unknown_size_prints_the_table():
+    proc = _run("bogus")
+    assert proc.returncode == 2
+    assert "unknown SIZE 'bogus'" in proc.stdout
+    for size in ("default", "125m", "1.3b", "28 ", "55 "):
+        assert size in proc.stdout
+    assert re.search(r"^\s*55\s+68\s+8192\s+64\s+32768\s+10$", proc.stdout, re.M)
+    assert re.search(r"^\s*28\s+26\s+8192\s+128\s+32768\s+38$", proc.stdout, re.M)
+
+
+def test_default_run_trains_on_the_sample_corpus(tmp_path):
+    """Corpus -> tokenizer -> preprocess -> 2-process training, then resume from its checkpoint."""
+    env = {"TRAIN_ITERS": "4", "SEQ_LEN": "64", "MBS": "2", "LOG_INTERVAL": "2", "EVAL_INTERVAL": "4",
+           "EVAL_ITERS": "1", "SAVE_DIR": str(tmp_path / "ckpt"), "SAVE_INTERVAL": "2"}
+    proc = _run(env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", proc.stdout)]
+    assert len(losses) == 2 and all(0 < x < 20 for x in losses)
+    assert "validation loss at iteration 4" in proc.stdout
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert (ROOT / "data" / "sample" / "corpus_text_document.idx").is_file()
+    proc = _run(env={**env, "TRAIN_ITERS": "6"})  # resumes at 4
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "starting at iteration 4" in proc.stdout
+    assert re.search(r"iteration\s+6/\s+6", proc.stdout)
