@@ -115,7 +115,10 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
     build_cfg = dataclasses.replace(model_cfg, precision="fp32") if cfg.zero.enabled else model_cfg
     model = model_provider(build_cfg, rng_tracker).to(device)
     backend = build_backend(cfg, model)
-    scheduler = scheduler_from_args(cfg.args, backend.optimizer, cfg.train.train_iters)
+    try:
+        scheduler = scheduler_from_args(cfg.args, backend.optimizer, cfg.train.train_iters)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     iteration, consumed = backend.load_checkpoint(cfg.checkpoint, scheduler, rng_tracker)
 
     forward_step_func = forward_step_provider(cfg, tokenizer, device)

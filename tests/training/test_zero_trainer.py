@@ -7,13 +7,14 @@ import torch
 from tests.training.test_parallel_equivalence import MESHES, _check
 
 
-def _ds_config(tmp_path, stage: int, offload: bool = False) -> list[str]:
+def _ds_config(tmp_path, stage: int, offload: bool = False, nvme: bool = False) -> list[str]:
     zero = {"stage": stage, "allgather_bucket_size": 3000, "stage3_param_persistence_threshold": 64,
             "sub_group_size": 5000}
-    if offload:
-        zero["offload_optimizer"] = {"device": "cpu"}
-        zero["offload_param"] = {"device": "cpu"}
-    path = tmp_path / f"ds_stage{stage}{'_offload' if offload else ''}.json"
+    if offload or nvme:
+        device = {"device": "nvme", "nvme_path": str(tmp_path / "swap")} if nvme else {"device": "cpu"}
+        zero["offload_optimizer"] = dict(device)
+        zero["offload_param"] = dict(device)
+    path = tmp_path / f"ds_stage{stage}{'_offload' if offload else ''}{'_nvme' if nvme else ''}.json"
     path.write_text(json.dumps({"zero_optimization": zero}))
     return ["--deepspeed", "--deepspeed_config", str(path)]
 
@@ -27,6 +28,14 @@ def test_zero3_offload_tp2pp2dp2_matches_reference(tmp_path):
     """ZeRO-3 under pipeline parallelism with the 1F1B schedule (DeepSpeed refuses this combination)."""
     flags, world = MESHES["tp2pp2dp2"]
     _check([], flags + _ds_config(tmp_path, 3, offload=True), world)
+
+
+def test_zero3_states_on_ssd_tp2pp2dp2_matches_reference(tmp_path):
+    """Optimizer states and parameter shards in SSD page files, pipelined step, under TP2 x PP2 x DP2."""
+    flags, world = MESHES["tp2pp2dp2"]
+    _check([], flags + _ds_config(tmp_path, 3, nvme=True), world)
+    swap = tmp_path / "swap" / "zero_cache_swap"
+    assert swap.is_dir() and not list(swap.iterdir())  # the page files were there, and are removed at exit
 
 
 @pytest.mark.parametrize("name", ["ds_config_zero3.json", "ds_config_zero3_offload.json"])
