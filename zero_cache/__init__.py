@@ -1,7 +1,9 @@
 """ZeRO-Cache: a generic ZeRO (stages 1-3) memory engine for any torch ``nn.Module``."""
+from .aio import SSDTierError
 from .config import ConfigError, ZeroCacheConfig, parse_config
 from .engine import StepResult, ZeroEngine, initialize
+from .ssd_store import SSDStore
 from .store import DeviceHostStore, MemoryReport, ShardStore
 
 __all__ = ["initialize", "ZeroEngine", "StepResult", "ZeroCacheConfig", "ConfigError", "parse_config",
-           "ShardStore", "DeviceHostStore", "MemoryReport"]
+           "ShardStore", "DeviceHostStore", "SSDStore", "SSDTierError", "MemoryReport"]

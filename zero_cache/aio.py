@@ -64,10 +64,12 @@ class AlignedBuffer:
 class BufferPool:
     """Reused aligned buffers, free lists by capacity; exact accounting of the bytes it holds."""
 
-    def __init__(self):
+    def __init__(self, limit: int | None = None):
+        self.limit = limit  # bytes the pool may hold (in use + free); None = unbounded
         self._free: dict[int, list[AlignedBuffer]] = {}
         self._lock = threading.Lock()
-        self.held = 0  # bytes of all buffers this pool created (in use or free)
+        self.held = 0  # bytes of all buffers this pool holds (in use or free)
+        self.peak_held = 0
         self.in_use = 0
         self.peak_in_use = 0
 
@@ -77,8 +79,16 @@ class BufferPool:
             free = self._free.get(cap)
             buf = free.pop() if free else None
             if buf is None:
+                if self.limit is not None:  # make room by dropping free buffers of other sizes
+                    for other in list(self._free):
+                        while self._free[other] and self.held + cap > self.limit:
+                            self.held -= self._free[other].pop().capacity
+                    if self.held + cap > self.limit:
+                        raise MemoryError(f"zero_cache SSD tier: staging buffers would need {self.held + cap} bytes, "
+                                          f"more than the {self.limit} bytes reserved for them in the host budget")
                 buf = AlignedBuffer(cap)
                 self.held += cap
+                self.peak_held = max(self.peak_held, self.held)
             self.in_use += cap
             self.peak_in_use = max(self.peak_in_use, self.in_use)
         return buf
@@ -87,14 +97,6 @@ class BufferPool:
         with self._lock:
             self.in_use -= buf.capacity
             self._free.setdefault(buf.capacity, []).append(buf)
-
-    def trim(self) -> None:
-        """Drop the free buffers (returns their memory to the OS)."""
-        with self._lock:
-            for bufs in self._free.values():
-                for b in bufs:
-                    self.held -= b.capacity
-            self._free.clear()
 
 
 class PageFile:

@@ -95,6 +95,14 @@ class AioConfig:
 
 
 @dataclass
+class MemoryBudgetConfig:
+    """Bytes of model state (plus SSD staging buffers on the host) allowed per tier; -1 = from the machine."""
+    device: int = field(default=-1, metadata=_range(lo=-1))
+    host: int = field(default=-1, metadata=_range(lo=-1))
+    nvme: int = field(default=-1, metadata=_range(lo=-1))
+
+
+@dataclass
 class ZeroConfig:
     stage: int = field(default=3, metadata=_range(choices=(1, 2, 3)))
     contiguous_gradients: bool = True
@@ -118,6 +126,9 @@ class ZeroConfig:
     max_param_reduce_events: int = field(default=1, metadata=_range(lo=0))
     is_communication_time_profiling: bool = False
     save_large_model_multi_slice: bool = True
+    # zero_cache keys.
+    memory_budget: MemoryBudgetConfig = field(default_factory=MemoryBudgetConfig)
+    lock_free_update: bool = False  # delayed update (one-step-stale parameters), see docs
 
 
 @dataclass
@@ -235,10 +246,6 @@ def _validate(cfg: ZeroCacheConfig) -> None:
     z = cfg.zero_optimization
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("zero_cache config: 'fp16.enabled' and 'bf16.enabled' are both true; enable at most one")
-    if z.offload_param.device == "nvme":
-        raise ConfigError("zero_cache config: 'zero_optimization.offload_param.device' = 'nvme' is not supported "
-                          "(parameter shards stay on the device or the host); use 'cpu' or 'none' for offload_param "
-                          "and put the optimizer states on SSD with offload_optimizer.device = 'nvme'")
     if z.offload_param.device != "none" and z.stage != 3:
         raise ConfigError("zero_cache config: 'zero_optimization.offload_param' needs stage 3 (parameters are only "
                           f"partitioned in stage 3, got stage {z.stage}); set stage 3 or remove offload_param")
@@ -246,6 +253,17 @@ def _validate(cfg: ZeroCacheConfig) -> None:
     if fp32 and z.offload_param.device == "cpu" and z.offload_optimizer.device == "none":
         raise ConfigError("zero_cache config: in fp32 the parameter shard is the optimizer's master copy, so "
                           "'offload_param.device' = 'cpu' needs 'offload_optimizer.device' = 'cpu' or 'nvme' too")
+    if fp32 and z.offload_param.device == "nvme" and z.offload_optimizer.device != "nvme":
+        raise ConfigError("zero_cache config: in fp32 the parameter shard is the optimizer's master copy, so "
+                          "'offload_param.device' = 'nvme' needs 'offload_optimizer.device' = 'nvme' too")
+    if z.offload_param.device == "nvme" and z.offload_optimizer.device == "nvme" and \
+            os.path.normpath(z.offload_param.nvme_path) != os.path.normpath(z.offload_optimizer.nvme_path):
+        raise ConfigError(f"zero_cache config: 'offload_param.nvme_path' ({z.offload_param.nvme_path}) and "
+                          f"'offload_optimizer.nvme_path' ({z.offload_optimizer.nvme_path}) differ; the SSD tier "
+                          f"uses one directory per rank, set both to the same path")
+    if z.lock_free_update and z.offload_optimizer.device == "none":
+        raise ConfigError("zero_cache config: 'zero_optimization.lock_free_update' overlaps the offloaded optimizer "
+                          "step with the next step's compute; it needs 'offload_optimizer.device' = 'cpu' or 'nvme'")
     b1, b2 = cfg.optimizer.params.betas
     if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
         raise ConfigError(f"zero_cache config: 'optimizer.params.betas' must be in [0, 1), got {[b1, b2]}")

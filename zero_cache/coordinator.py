@@ -13,6 +13,11 @@ gathered elements, so the next module's gather overlaps this module's compute. A
 match the trace turns prefetch off for the rest of the step and the step's record becomes the new trace.
 A chunk whose next use is within ``stage3_max_reuse_distance`` elements of requests is kept gathered.
 All ranks of the DP group make the same decisions, so their collectives stay in the same order.
+
+Parameter shards on SSD (``offload_param.device = nvme``): a gather first reads the shard into a staging
+buffer (released when the gather completes). Read-ahead: while prefetching, the SSD reads of the chunks in
+the next window (another ``stage3_prefetch_bucket_size`` elements beyond the gathers in flight) are
+started, so by the time a chunk's gather is issued its shard is in memory.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from torch import nn
 from .comm import Comm, Handle
 from .config import ZeroConfig
 from .partition import FlatChunk
+from .store import ShardStore
 
 
 def in_backward() -> bool:
@@ -44,8 +50,12 @@ def _tensors(obj):
 
 class ParamCoordinator:
     def __init__(self, chunks: list[FlatChunk], comm: Comm, zcfg: ZeroConfig,
-                 on_backward_activity: Callable[[], None]):
+                 on_backward_activity: Callable[[], None], store: ShardStore | None = None):
         self.chunks = chunks
+        self.store = store
+        self.ssd_reads: dict[int, object] = {}  # chunk -> SwapHandle of its parameter shard being read
+        self.staged: dict[int, torch.Tensor] = {}  # chunk -> shard buffer an in-flight gather reads
+        self.params_on_ssd = any("param" in c.swapped for c in chunks)
         self.comm = comm
         self.prefetch_numel = zcfg.stage3_prefetch_bucket_size
         self.max_live = zcfg.stage3_max_live_parameters
@@ -121,10 +131,18 @@ class ParamCoordinator:
         for c in ids:
             self._wait(c)
 
+    def _read_ahead(self, c: int) -> None:
+        if "param" in self.chunks[c].swapped and c not in self.ssd_reads:
+            self.ssd_reads[c] = self.store.swap_in([self.chunks[c].state_key("param")], for_gather=True)
+
     def _issue(self, c: int) -> None:
         chunk = self.chunks[c]
         chunk.allocate_full()
         src = chunk.param_shard
+        if "param" in chunk.swapped:
+            self._read_ahead(c)
+            (src,) = self.ssd_reads.pop(c).wait()
+            self.staged[c] = src
         if src.device != chunk.full.device:
             src = src.to(chunk.full.device, non_blocking=True)
         self.inflight[c] = self.comm.all_gather(chunk.full, src, tag=f"chunk{c}", async_op=True)
@@ -137,6 +155,8 @@ class ParamCoordinator:
         if h is not None:
             h.wait()
             self.chunks[c].gathered = True
+        if c in self.staged:
+            self.store.release([self.staged.pop(c)])
 
     def maybe_release(self, c: int) -> None:
         chunk = self.chunks[c]
@@ -159,6 +179,8 @@ class ParamCoordinator:
         """Before the optimizer step: drop every gathered copy and settle the trace for the next step."""
         for c in list(self.inflight):
             self._wait(c)
+        for c in list(self.ssd_reads):  # read ahead for a step that went another way
+            self.store.release(self.ssd_reads.pop(c).wait())
         for c, chunk in enumerate(self.chunks):
             if not chunk.plan.resident and chunk.gathered:
                 self._free(c)
@@ -192,6 +214,7 @@ class ParamCoordinator:
         # The window ahead holds at most prefetch_numel elements, counting chunks already fetched ahead.
         budget = self.prefetch_numel
         seen = set()
+        gathering = True  # first window: gathers; second window: SSD reads only
         for i in range(self.pos, len(self.trace)):
             c = self.trace[i]
             chunk = self.chunks[c]
@@ -199,11 +222,19 @@ class ParamCoordinator:
                 continue
             seen.add(c)
             if chunk.plan.padded > budget:
-                return
-            budget -= chunk.plan.padded
-            if not chunk.gathered and c not in self.inflight:
-                if self.live_numel + chunk.plan.padded > self.max_live:
+                if not gathering or not self.params_on_ssd:
                     return
+                gathering, budget = False, self.prefetch_numel
+                if chunk.plan.padded > budget:
+                    return
+            budget -= chunk.plan.padded
+            if chunk.gathered or c in self.inflight:
+                continue
+            if not gathering:
+                self._read_ahead(c)
+            elif self.live_numel + chunk.plan.padded > self.max_live:
+                gathering, budget = False, self.prefetch_numel
+            else:
                 self._issue(c)
 
     def _reused_soon(self, c: int) -> bool:

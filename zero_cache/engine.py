@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import checkpoint as ckpt
-from .builder import build_chunk, optimizer_tiers
+from .builder import build_chunk
 from .comm import Comm, CommProfiler, group_all_reduce
 from .config import ConfigError, ZeroCacheConfig, parse_config
 from .coordinator import ParamCoordinator
@@ -28,8 +29,9 @@ from .grad_reducer import GradReducer
 from .loss_scaler import LossScaler
 from .optimizer import GroupHParams, ShardedAdam
 from .partition import FlatChunk, plan_chunks, plan_sub_groups
+from .placement import machine_budgets, place_sub_groups
 from .ssd_store import SSDStore
-from .store import NVME, DeviceHostStore, MemoryReport, ShardStore
+from .store import HOST, NVME, DeviceHostStore, MemoryReport, ShardStore
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +72,15 @@ class ZeroEngine:
                                  dp_size=self.comm.size, persistence_threshold=z.stage3_param_persistence_threshold,
                                  isolated={id(p) for p, _ in tied})
         self.sub_groups = plan_sub_groups(self.plans, z.sub_group_size)
-        tiers = optimizer_tiers(self.sub_groups, len(self.plans), cfg)
+        self.budgets = machine_budgets(cfg, self.device)
+        tiers, staging = place_sub_groups(self.plans, self.sub_groups, cfg, self.dtype, self.device, self.budgets)
         pin = z.offload_param.pin_memory or z.offload_optimizer.pin_memory
-        if store is None and NVME in tiers:
-            store = SSDStore(self.device, z.offload_optimizer.nvme_path, cfg.aio, rank=_global_rank(), pin_host=pin)
-        self.store = store or DeviceHostStore(self.device, pin_host=pin)
+        params_on_ssd = z.offload_param.device == "nvme" and z.stage == 3
+        if store is None and (NVME in tiers or params_on_ssd):
+            path = z.offload_optimizer.nvme_path if NVME in tiers else z.offload_param.nvme_path
+            store = SSDStore(self.device, path, cfg.aio, rank=_global_rank(), pin_host=pin,
+                             budgets=self.budgets, staging_bytes=staging)
+        self.store = store or DeviceHostStore(self.device, pin_host=pin, budgets=self.budgets)
         with torch.no_grad():
             self.chunks: list[FlatChunk] = [build_chunk(p, tiers[p.index], self.store, self.comm, cfg, self.dtype,
                                                         self.device) for p in self.plans]
@@ -83,7 +89,7 @@ class ZeroEngine:
         self._callback_task = None
         self.coordinator = None
         if any(not c.plan.resident for c in self.chunks):
-            self.coordinator = ParamCoordinator(self.chunks, self.comm, z, self._on_backward_activity)
+            self.coordinator = ParamCoordinator(self.chunks, self.comm, z, self._on_backward_activity, self.store)
             self.coordinator.register_model(model)
         self.reducer = GradReducer(
             self.chunks, self.comm, self.store, mode="full" if z.stage == 1 else "shard",
@@ -95,6 +101,9 @@ class ZeroEngine:
                                      pipeline=z.pipeline_optimizer, store=self.store)
         self.scaler = LossScaler(cfg.fp16)
         self.global_steps = 0
+        # Lock-free update: the optimizer step of step t runs here while step t+1 computes.
+        self._update_thread = ThreadPoolExecutor(1, "zero_cache_update") if z.lock_free_update else None
+        self._pending_update = None
 
     # ---- forward / backward ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -149,15 +158,25 @@ class ZeroEngine:
         self.reducer.end_step()
         if self.coordinator is not None:
             self.coordinator.end_step()
+        if self._update_thread is None and self.config.zero_optimization.pipeline_optimizer:
+            self.optimizer.start_read_ahead()  # the first SSD sub-group loads while the norm is computed
         scale = self.scaler.scale
         sq, overflow = self._global_norm_sq_and_overflow()
         grad_norm = math.sqrt(sq) / scale if not overflow else float("inf")
         if not overflow:
             clip = self.config.gradient_clipping
             coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
-            self.optimizer.step(grad_scale=scale / coef)
-            self.refresh_resident_params()
+            if self._update_thread is None:
+                self.optimizer.step(grad_scale=scale / coef)
+                self.refresh_resident_params()
+            else:
+                self.publish_update()  # step t-1's update becomes visible to step t+1
+                for c in self.chunks:  # step t's gradients are applied in the background
+                    c.grad, c.grad_spare = c.grad_spare, c.grad
+                self._pending_update = self._update_thread.submit(self.optimizer.step, scale / coef, True)
             self.global_steps += 1
+        if overflow:
+            self.optimizer.drop_read_ahead()
         for c in self.chunks:
             c.grad.zero_()
         self.scaler.update(overflow)
@@ -166,9 +185,9 @@ class ZeroEngine:
                            self.scaler.scale)
         if self.profiler.enabled and (self.global_steps % self.config.steps_per_print == 0 or overflow):
             logger.info("zero_cache comm step %d: %s", self.global_steps, self.profiler.summary_and_reset())
-        if self.optimizer.last_swap is not None and self.global_steps % self.config.steps_per_print == 0:
-            logger.info("zero_cache step %d: %s; %s", self.global_steps, self.optimizer.last_swap,
-                        self.memory_report())
+        if self.global_steps % self.config.steps_per_print == 0 and not overflow:
+            swap = f"{self.optimizer.last_swap}; " if self.optimizer.last_swap is not None else ""
+            logger.info("zero_cache step %d: %s%s", self.global_steps, swap, self.memory_report())
         return StepResult(grad_norm, overflow, scale, self.optimizer.lr)
 
     def _global_norm_sq_and_overflow(self) -> tuple[float, bool]:
@@ -205,6 +224,12 @@ class ZeroEngine:
         pool = getattr(self.store, "pool", None)
         if pool is not None:
             report.swap_buffers_now, report.swap_buffers_peak = pool.in_use, pool.peak_in_use
+        report.budget = dict(self.budgets)
+        report.peak_by_tier = dict(report.by_tier)  # shards are allocated once; only staging buffers vary
+        if pool is not None:
+            report.param_staging_peak = self.store.param_pool.peak_held
+            report.peak_by_tier[HOST] = (report.peak_by_tier.get(HOST, 0) + pool.peak_held
+                                         + self.store.param_pool.peak_held)
         return report
 
     def swap_stats(self):
@@ -212,19 +237,40 @@ class ZeroEngine:
         return self.optimizer.last_swap
 
     def state_tensor(self, chunk: FlatChunk, name: str) -> torch.Tensor:
-        """Chunk ``chunk``'s state ``name`` (master, exp_avg, exp_avg_sq) wherever it lives (SSD: a host copy)."""
+        """Chunk ``chunk``'s state ``name`` (param, master, exp_avg, exp_avg_sq) wherever it lives (SSD: a host copy)."""
+        if name == "master" and chunk.master_in_param:
+            name = "param"
         if name in chunk.swapped:
             return self.store.read(chunk.state_key(name))
-        return getattr(chunk, name)
+        return chunk.param_shard if name == "param" else getattr(chunk, name)
 
     def set_state_tensor(self, chunk: FlatChunk, name: str, value: torch.Tensor) -> None:
+        if name == "master" and chunk.master_in_param:
+            name = "param"
         if name in chunk.swapped:
             self.store.put(chunk.state_key(name), value)
         else:
-            getattr(chunk, name).copy_(value)
+            (chunk.param_shard if name == "param" else getattr(chunk, name)).copy_(value)
+
+    def publish_update(self) -> None:
+        """Lock-free update: wait for the background update and copy its parameters in (no-op otherwise)."""
+        if self._pending_update is None:
+            return
+        future, self._pending_update = self._pending_update, None
+        future.result()
+        with torch.no_grad():
+            for c in self.chunks:
+                if "param" in c.swapped:
+                    self.store.put(c.state_key("param"), c.pending)
+                else:
+                    c.param_shard.copy_(c.pending)
+        self.refresh_resident_params()
 
     def close(self) -> None:
         """Release the store's files and threads (the SSD tier's swap directory is removed)."""
+        self.publish_update()
+        if self._update_thread is not None:
+            self._update_thread.shutdown(wait=True)
         self.store.close()
 
     def gather_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
@@ -233,6 +279,7 @@ class ZeroEngine:
         The result holds the whole model on the receiving rank: for big models use the sharded checkpoint
         and ``python -m zero_cache.checkpoint.consolidate`` instead.
         """
+        self.publish_update()
         keep = not rank0_only or self.comm.rank == 0
         aliases = _param_aliases(self.module)
         out: dict[str, torch.Tensor] = {}
@@ -256,11 +303,13 @@ class ZeroEngine:
     # ---- checkpoints ------------------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
         """Each rank writes its own shards; ``latest`` is written last. Returns the tag directory."""
+        self.publish_update()
         return ckpt.save(self, save_dir, tag or f"global_step{self.global_steps}", client_state or {})
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None,
                         load_optimizer_states: bool = True) -> tuple[str, dict]:
         """Restore this rank's shards; returns (tag directory, client_state)."""
+        self.publish_update()
         return ckpt.load(self, load_dir, tag, load_optimizer_states)
 
     @property

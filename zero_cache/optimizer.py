@@ -65,23 +65,42 @@ class ShardedAdam:
         self.kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
         self.pipeline = pipeline
         self.store = store
-        self.swapped = [any(self.chunks[i].swapped for i in sg) for sg in sub_groups]
+        self.swapped = [any(self.chunks[i].opt_swapped() for i in sg) for sg in sub_groups]
         self.last_swap: SwapStats | None = None
+        self._early: dict = {}  # sub-group 0's read, started before the step (see start_read_ahead)
 
     def _swap_keys(self, k: int) -> list[tuple[FlatChunk, str]]:
-        return [(self.chunks[i], name) for i in self.sub_groups[k] for name in self.chunks[i].swapped]
+        return [(self.chunks[i], name) for i in self.sub_groups[k] for name in self.chunks[i].opt_swapped()]
 
     def _swap_in(self, k: int):
         pairs = self._swap_keys(k)
         return pairs, self.store.swap_in([c.state_key(n) for c, n in pairs])
 
-    def step(self, grad_scale: float) -> None:
-        """One update of every shard; gradients are divided by ``grad_scale`` inside the kernel."""
-        aio = getattr(self.store, "aio", None) if any(self.swapped) else None
-        if aio is not None:
+    def start_read_ahead(self) -> None:
+        """Start reading the first SSD sub-group now (the caller computes the grad norm meanwhile)."""
+        k = next((k for k, s in enumerate(self.swapped) if s), None)
+        if k is None or self._early:
+            return
+        self.store.aio.busy_seconds_and_reset()
+        self._early[k] = self._swap_in(k)
+
+    def drop_read_ahead(self) -> None:
+        """The step was skipped: hand the read-ahead buffers back."""
+        for _, h in self._early.values():
+            self.store.release(h.wait())
+        self._early = {}
+
+    def step(self, grad_scale: float, delayed: bool = False) -> None:
+        """One update of every shard; gradients are divided by ``grad_scale`` inside the kernel.
+
+        ``delayed`` (lock-free update, run on a background thread): read ``grad_spare`` (then zero it) and
+        write the updated parameters to ``pending`` instead of the parameter shards the next step reads."""
+        aio = getattr(self.store, "aio", None) if any(c.swapped for c in self.chunks) else None
+        if aio is not None and not self._early:
             aio.busy_seconds_and_reset()
         pool = ThreadPoolExecutor(max_workers=1) if self.pipeline else None
-        futures, reads, writes = [], {}, []
+        futures, reads, writes = [], self._early, []
+        self._early = {}
         waited = 0.0
         n = len(self.sub_groups)
         try:
@@ -92,16 +111,26 @@ class ShardedAdam:
                             reads[j] = self._swap_in(j)
                     pairs, handle = reads.pop(k)
                     for (c, name), t in zip(pairs, handle.wait()):
-                        setattr(c, name, t)
+                        _set(c, name, t)
                     waited += handle.waited
                 cs = [self.chunks[i] for i in sg]
-                self._update(cs, grad_scale)
+                self._update(cs, grad_scale, delayed)
                 todo = [c for c in cs if not c.master_is_param()]
+                if delayed:
+                    for c in todo:
+                        c.pending.copy_(c.master)
+                        c.grad_spare.zero_()
+                    todo = []
+                on_ssd = [c for c in todo if "param" in c.swapped]  # bf16/fp16 parameter shards on SSD
+                if on_ssd:
+                    todo = [c for c in todo if "param" not in c.swapped]
+                    for c in on_ssd:
+                        self.store.put(c.state_key("param"), c.master)
                 if self.swapped[k]:
                     _write_back(todo)  # before the master's staging buffer is handed back
-                    tensors = [getattr(c, name) for c, name in pairs]
+                    tensors = [_get(c, name) for c, name in pairs]
                     for c, name in pairs:
-                        setattr(c, name, None)
+                        _set(c, name, None)
                     writes.append(self.store.swap_out([c.state_key(nm) for c, nm in pairs], tensors))
                     while len(writes) > (1 if self.pipeline else 0):  # write-back of i-1 overlaps i
                         w = writes.pop(0)
@@ -129,20 +158,34 @@ class ShardedAdam:
             io, r, w = aio.busy_seconds_and_reset()
             self.last_swap = SwapStats(io, waited, r, w)
 
-    def _update(self, cs: list[FlatChunk], grad_scale: float) -> None:
+    def _update(self, cs: list[FlatChunk], grad_scale: float, delayed: bool = False) -> None:
         masters = [c.master for c in cs]
         steps = [c.step for c in cs]
         torch._foreach_add_(steps, 1.0)
         scale = None
         if grad_scale != 1.0:
             scale = torch.tensor(grad_scale, dtype=torch.float32, device=masters[0].device)
-        self.kernel(masters, [c.grad for c in cs], [c.exp_avg for c in cs], [c.exp_avg_sq for c in cs], [],
+        grads = [c.grad_spare if delayed else c.grad for c in cs]
+        self.kernel(masters, grads, [c.exp_avg for c in cs], [c.exp_avg_sq for c in cs], [],
                     steps, lr=self.lr, beta1=self.betas[0], beta2=self.betas[1],
                     weight_decay=self.groups[cs[0].plan.group].weight_decay, eps=self.eps,
                     amsgrad=False, maximize=False, grad_scale=scale, found_inf=None)
 
     def state_dict(self) -> dict:
         return {"lr": self.lr, "betas": list(self.betas), "eps": self.eps}
+
+
+def _get(chunk: FlatChunk, name: str) -> torch.Tensor:
+    return chunk.param_shard if name == "param" else getattr(chunk, name)
+
+
+def _set(chunk: FlatChunk, name: str, t: torch.Tensor | None) -> None:
+    """Attach (or detach) a swapped-in state; an fp32 parameter shard on SSD is also the master."""
+    if name == "param":
+        chunk.param_shard = t
+        chunk.master = t
+    else:
+        setattr(chunk, name, t)
 
 
 def _write_back(chunks: list[FlatChunk]) -> None:

@@ -110,10 +110,13 @@ class FlatChunk:
         self.grad: torch.Tensor | None = None  # fp32 gradient shard, accumulated over micro-batches
         self.exp_avg: torch.Tensor | None = None
         self.exp_avg_sq: torch.Tensor | None = None
+        self.grad_spare: torch.Tensor | None = None  # lock-free update: gradients being applied in the background
+        self.pending: torch.Tensor | None = None  # lock-free update: updated parameters not yet published
         self.step: torch.Tensor | None = None  # Adam step count (float scalar, fused AdamW's convention)
         self.opt_tier = ""
         # States whose home is an SSD page file: the attributes above are None except while swapped in.
         self.swapped: list[str] = []
+        self.master_in_param = False  # fp32: the parameter shard is the master (no separate copy)
         self.gathered = plan.resident
 
     @property
@@ -145,7 +148,8 @@ class FlatChunk:
         return f"c{self.index}.{name}"
 
     def master_is_param(self) -> bool:
-        if self.master is None:  # swapped out to SSD: a separate copy
-            return False
-        return self.master is self.param_shard or (
-            self.master.data_ptr() == self.param_shard.data_ptr() and self.master.dtype == self.param_shard.dtype)
+        return self.master_in_param
+
+    def opt_swapped(self) -> list[str]:
+        """SSD states the optimizer reads and writes (a bf16/fp16 parameter shard is only written)."""
+        return [n for n in self.swapped if n != "param" or self.master_in_param]

@@ -19,9 +19,9 @@ import weakref
 
 import torch
 
-from .aio import AioEngine, AlignedBuffer, BufferPool, PageFile, SSDTierError, disk_free
+from .aio import AioEngine, AlignedBuffer, BufferPool, PageFile, SSDTierError
 from .config import AioConfig
-from .store import KINDS, NVME, DeviceHostStore, SwapHandle
+from .store import HOST, KINDS, NVME, DeviceHostStore, SwapHandle
 
 SWAP_DIR = "zero_cache_swap"
 
@@ -75,15 +75,16 @@ class SSDStore(DeviceHostStore):
     """Device + host tensors and SSD page files behind one ``ShardStore`` interface."""
 
     def __init__(self, device: torch.device, nvme_path: str, aio: AioConfig, rank: int = 0, pin_host: bool = False,
-                 direct_io: bool = True):
-        super().__init__(device, pin_host)
+                 direct_io: bool = True, budgets: dict[str, int] | None = None, staging_bytes: int | None = None):
+        super().__init__(device, pin_host, budgets)
         self.directory = prepare_swap_dir(nvme_path, rank)
         self.aio = AioEngine(aio)
-        self.pool = BufferPool()
+        self.pool = BufferPool(staging_bytes)  # optimizer sub-groups (bounded by the reserve)
+        self.param_pool = BufferPool()  # parameter shards read for gathers (accounted, bounded by prefetch)
         self.direct_io = direct_io
         self._pages: dict[str, PageFile] = {}
         self._ssd_meta: dict[str, tuple[str, torch.dtype, int]] = {}
-        self._buffers: dict[int, AlignedBuffer] = {}  # id(tensor) -> its staging buffer while swapped in
+        self._buffers: dict[int, tuple[BufferPool, AlignedBuffer]] = {}  # id(tensor) -> staging buffer
         self._finalizer = weakref.finalize(self, _cleanup, self.directory, self._pages, self.aio)
 
     # ---- ShardStore -------------------------------------------------------------------------------------
@@ -94,6 +95,7 @@ class SSDStore(DeviceHostStore):
             raise KeyError(f"shard '{key}' is already allocated")
         if kind not in KINDS:
             raise ValueError(f"bad kind {kind!r}; kinds {KINDS}")
+        self._charge(key, NVME, numel * torch.empty((), dtype=dtype).element_size())
         path = os.path.join(self.directory, key.replace("/", "_") + ".swp")
         page = PageFile(path, key, numel, dtype, self.direct_io)
         self.direct_io = page.direct  # warn once: later files skip O_DIRECT when the filesystem refused it
@@ -139,13 +141,14 @@ class SSDStore(DeviceHostStore):
         return out
 
     # ---- swapping ---------------------------------------------------------------------------------------
-    def swap_in(self, keys):
+    def swap_in(self, keys, for_gather: bool = False):
+        pool = self.param_pool if for_gather else self.pool
         tensors, futures = [], []
         for key in keys:
             page = self._pages[key]
-            buf = self.pool.acquire(page.capacity)
+            buf = pool.acquire(page.capacity)
             t = buf.view(page.dtype, page.numel)
-            self._buffers[id(t)] = buf
+            self._buffers[id(t)] = (pool, buf)
             tensors.append(t)
             futures.append(self.aio.submit(False, page, buf))
         return SwapHandle(futures, tensors, on_error=lambda: self.release(tensors))
@@ -153,16 +156,17 @@ class SSDStore(DeviceHostStore):
     def swap_out(self, keys, tensors):
         futures = []
         for key, t in zip(keys, tensors):
-            futures.append(self.aio.submit(True, self._pages[key], self._buffers[id(t)]))
+            futures.append(self.aio.submit(True, self._pages[key], self._buffers[id(t)][1]))
         return SwapHandle(futures, None, on_wait=lambda _h, ts=list(tensors): self.release(ts))
 
     def release(self, tensors: list[torch.Tensor]) -> None:
         """Return swapped-in tensors' staging buffers to the pool (without writing them)."""
         for t in tensors:
-            self.pool.release(self._buffers.pop(id(t)))
+            pool, buf = self._buffers.pop(id(t))
+            pool.release(buf)
 
-    def free_bytes(self) -> int:
-        return disk_free(self.directory)
+    def reserved(self, tier):
+        return (self.pool.limit or 0) if tier == HOST else 0
 
     def close(self) -> None:
         self._finalizer()

@@ -29,6 +29,9 @@ class MemoryReport:
     gathered_peak: int = 0
     swap_buffers_now: int = 0  # aligned host staging buffers of the SSD tier (in use), bytes
     swap_buffers_peak: int = 0
+    param_staging_peak: int = 0  # host buffers of SSD parameter shards read for gathers (peak held)
+    budget: dict[str, int] = field(default_factory=dict)  # bytes allowed per tier
+    peak_by_tier: dict[str, int] = field(default_factory=dict)  # shards + peak staging buffers held (host)
 
     @property
     def total(self) -> int:
@@ -36,7 +39,9 @@ class MemoryReport:
 
     def __str__(self) -> str:
         kinds = ", ".join(f"{k}={v / 2**20:.2f}MiB" for k, v in self.by_kind.items())
-        tiers = ", ".join(f"{k}={v / 2**20:.2f}MiB" for k, v in self.by_tier.items())
+        tiers = ", ".join(
+            f"{t}={v / 2**20:.2f}MiB [" + " ".join(f"{k}={n / 2**20:.2f}" for (k, tt), n in self.by_kind_tier.items()
+                                                    if tt == t) + "]" for t, v in self.by_tier.items())
         swap = (f"; SSD staging buffers now {self.swap_buffers_now / 2**20:.2f}MiB, peak "
                 f"{self.swap_buffers_peak / 2**20:.2f}MiB") if self.by_tier.get(NVME) else ""
         return (f"model states {self.total / 2**20:.2f}MiB ({kinds}; {tiers}); gathered params now "
@@ -70,13 +75,19 @@ class ShardStore(ABC):
         """A host copy of ``key``'s values (works for every tier, SSD included)."""
         return self.get(key).detach().cpu().clone()
 
-    def swap_in(self, keys: list[str]) -> "SwapHandle":
-        """Start reading SSD-tier ``keys`` into host staging buffers; ``wait()`` returns the tensors."""
+    def swap_in(self, keys: list[str], for_gather: bool = False) -> "SwapHandle":
+        """Start reading SSD-tier ``keys`` into host staging buffers; ``wait()`` returns the tensors.
+
+        ``for_gather``: parameter shards read for an all-gather (their own accounted buffer pool)."""
         raise ValueError(f"this store has no SSD tier; shards {keys} cannot be swapped in")
 
     def swap_out(self, keys: list[str], tensors: list[torch.Tensor]) -> "SwapHandle":
         """Start writing swapped-in tensors back to SSD and recycle their buffers once written."""
         raise ValueError(f"this store has no SSD tier; shards {keys} cannot be swapped out")
+
+    def release(self, tensors: list[torch.Tensor]) -> None:
+        """Hand swapped-in tensors' staging buffers back without writing them."""
+        raise ValueError("this store has no SSD tier; nothing was swapped in")
 
     def close(self) -> None:
         """Release files and threads (the SSD tier removes its swap directory)."""
@@ -117,11 +128,26 @@ class SwapHandle:
 class DeviceHostStore(ShardStore):
     """Two tiers: the compute device and host memory (pinned when the device is an accelerator)."""
 
-    def __init__(self, device: torch.device, pin_host: bool = False):
+    def __init__(self, device: torch.device, pin_host: bool = False, budgets: dict[str, int] | None = None):
         self.device = torch.device(device)
         self.pin_host = pin_host and self.device.type != "cpu" and torch.cuda.is_available()
+        self.budgets = dict(budgets or {})
         self._tensors: dict[str, torch.Tensor] = {}
         self._meta: dict[str, tuple[str, str]] = {}
+        self._tier_bytes = dict.fromkeys(TIERS, 0)
+
+    def _charge(self, key: str, tier: str, nbytes: int) -> None:
+        """Account ``nbytes`` to ``tier``; refuse (before allocating) what would exceed its budget."""
+        limit = self.budgets.get(tier)
+        if limit is not None and self._tier_bytes[tier] + nbytes + self.reserved(tier) > limit:
+            raise MemoryError(f"zero_cache: allocating shard '{key}' ({nbytes} bytes) would exceed the {tier} "
+                              f"budget: {self._tier_bytes[tier] + self.reserved(tier)} of {limit} bytes in use; "
+                              f"raise zero_optimization.memory_budget.{tier} or move states to another tier")
+        self._tier_bytes[tier] += nbytes
+
+    def reserved(self, tier: str) -> int:
+        """Bytes of ``tier`` set aside outside the shards (the SSD tier's host staging buffers)."""
+        return 0
 
     def allocate(self, key, kind, tier, numel, dtype):
         if key in self._tensors:
@@ -129,6 +155,7 @@ class DeviceHostStore(ShardStore):
         if kind not in KINDS or tier not in (DEVICE, HOST):
             raise ValueError(f"bad kind/tier {kind!r}/{tier!r} for DeviceHostStore; kinds {KINDS}, tiers "
                              f"{(DEVICE, HOST)} (the '{NVME}' tier needs zero_cache.ssd_store.SSDStore)")
+        self._charge(key, tier, numel * torch.empty((), dtype=dtype).element_size())
         dev = self.device if tier == DEVICE else torch.device("cpu")
         t = torch.zeros(numel, dtype=dtype, device=dev)
         if tier == HOST and self.pin_host:

@@ -67,8 +67,11 @@ def test_batch_size_is_derived():
      "train_batch_size (10) must equal train_micro_batch_size_per_gpu (2) * gradient_accumulation_steps (2) "
      "* data-parallel size (2) = 8"),
     ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}, "train_batch_size (10) is not divisible"),
-    ({"zero_optimization": {"offload_param": {"device": "nvme"}}},
-     "'zero_optimization.offload_param.device' = 'nvme' is not supported"),
+    ({"zero_optimization": {"offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "cpu"}}},
+     "'offload_param.device' = 'nvme' needs 'offload_optimizer.device' = 'nvme' too"),
+    ({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/a"},
+                            "offload_optimizer": {"device": "nvme", "nvme_path": "/b"}}},
+     "'offload_param.nvme_path' (/a) and 'offload_optimizer.nvme_path' (/b) differ"),
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "needs stage 3"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enable at most one"),
 ])

@@ -1,12 +1,14 @@
-"""SSD tier: optimizer states on page files under nvme_path, DP=2 numerics against the fp32 reference,
-pipelined (read-ahead / write-behind) and plain steps, placement by prefetch_cache_sub_group_rate, exact
-resume, and clear errors for damaged page files, unwritable paths and full disks."""
+"""SSD tier: optimizer states (and parameter shards) on page files under nvme_path, DP=2 numerics against
+the fp32 reference, pipelined (read-ahead / write-behind) and plain steps, placement by
+prefetch_cache_sub_group_rate, parameter read-ahead, exact resume with everything on SSD, and clear errors
+for damaged page files, unwritable paths and full disks."""
 from __future__ import annotations
 
 import errno
 import logging
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,16 +25,17 @@ from zero_cache.ssd_store import SWAP_DIR, SSDStore
 DP = 2
 SUB_GROUP = 600  # shard elements per sub-group: the tiny model has 6 sub-groups per rank at DP=2
 # (name, prefetch_cache_sub_group_rate, pipeline_optimizer, offload_param)
-CASES = [("rate0-pipeline", 0.0, True, False), ("rate0-plain", 0.0, False, False),
-         ("rate0.5-pipeline", 0.5, True, False), ("rate1-pipeline", 1.0, True, False),
-         ("rate0-pipeline-params-on-host", 0.0, True, True)]
+CASES = [("rate0-pipeline", 0.0, True, "none"), ("rate0-plain", 0.0, False, "none"),
+         ("rate0.5-pipeline", 0.5, True, "none"), ("rate1-pipeline", 1.0, True, "none"),
+         ("rate0-pipeline-params-on-host", 0.0, True, "cpu"), ("rate0-pipeline-params-on-ssd", 0.0, True, "nvme"),
+         ("rate0-plain-params-on-ssd", 0.0, False, "nvme")]
 
 
-def _nvme_config(world_size, nvme, rate=0.0, pipeline=True, offload_param=False, stage=3):
+def _nvme_config(world_size, nvme, rate=0.0, pipeline=True, offload_param="none", stage=3, **extra):
     zero = {"sub_group_size": SUB_GROUP, "pipeline_optimizer": pipeline, "prefetch_cache_sub_group_rate": rate,
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme}}
-    if offload_param:
-        zero["offload_param"] = {"device": "cpu"}
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme}, **extra}
+    if offload_param != "none":
+        zero["offload_param"] = {"device": offload_param, "nvme_path": nvme}
     return ds_config(stage, world_size, **zero)
 
 
@@ -51,11 +54,13 @@ def _run_cases(rank, world_size, nvme):
         n_files = len(os.listdir(swap_dir)) if swap_dir else 0
         losses = train_engine(engine, batches(), rank, world_size)
         stats = engine.swap_stats()
-        sg_bytes = [sum(2 * aio.round_up(4 * engine.chunks[i].plan.shard) for i in sg) for sg in engine.sub_groups]
+        sg_bytes = [sum(len(engine.chunks[i].opt_swapped()) * aio.round_up(4 * engine.chunks[i].plan.shard)
+                        for i in sg) for sg in engine.sub_groups]
         out[name] = {"losses": losses, "weights": to_numpy(engine.gather_state_dict()),
                      "report": engine.memory_report(), "stats": stats, "files": n_files,
                      "sub_group_bytes": sg_bytes, "swapped": list(engine.optimizer.swapped),
-                     "chunks": [(c.plan.shard, c.opt_tier) for c in engine.chunks]}
+                     "chunks": [(c.plan.shard, c.opt_tier) for c in engine.chunks],
+                     "ssd": [(c.plan.shard, list(c.swapped), c.opt_swapped()) for c in engine.chunks]}
         engine.close()
         out[name]["removed"] = swap_dir is None or not os.path.exists(swap_dir)
     return out
@@ -84,14 +89,16 @@ def test_states_on_ssd_match_reference(ssd_results, reference, case):
     for r in results:
         res = r[case]
         rep = res["report"]
-        on_ssd = [t == "nvme" for _, t in res["chunks"]]
         # Exact accounting: Adam m and v (8 B/elem) of every SSD chunk are page files; fp32 masters are the
         # parameter shards (no separate copy); gradient shards stay in host memory.
         ssd_elems = sum(shard for shard, t in res["chunks"] if t == "nvme")
         assert rep.by_kind_tier.get(("optimizer", "nvme"), 0) == 8 * ssd_elems
         assert rep.by_kind_tier.get(("grads", "nvme"), 0) == 0
         assert rep.by_kind_tier.get(("grads", "host"), 0) == 4 * ssd_elems
-        assert res["files"] == 2 * sum(on_ssd)  # one page file per SSD shard
+        params_on_ssd = sum(shard for shard, names, _ in res["ssd"] if "param" in names)
+        assert rep.by_kind_tier.get(("params", "nvme"), 0) == 4 * params_on_ssd
+        assert (params_on_ssd > 0) == case.endswith("params-on-ssd")
+        assert res["files"] == sum(len(names) for _, names, _ in res["ssd"])  # one page file per SSD shard
         n_sg = len(res["swapped"])
         rate = {"rate0-": 0.0, "rate0.5": 0.5, "rate1-": 1.0}[next(k for k in ("rate0-", "rate0.5", "rate1-")
                                                                    if case.startswith(k))]
@@ -99,8 +106,7 @@ def test_states_on_ssd_match_reference(ssd_results, reference, case):
         assert res["swapped"] == [k >= cached for k in range(n_sg)]
         if any(res["swapped"]):
             stats = res["stats"]
-            file_bytes = sum(2 * (aio.HEADER_BYTES + aio.round_up(4 * shard)) for shard, t in res["chunks"]
-                             if t == "nvme")
+            file_bytes = sum(len(opt) * (aio.HEADER_BYTES + aio.round_up(4 * shard)) for shard, _, opt in res["ssd"])
             assert stats.bytes_read == stats.bytes_written == file_bytes  # each state read and written once
             assert 0.0 <= stats.overlap <= 1.0 and stats.io_seconds > 0
             # Staging buffers: at most read-ahead + update + write-behind sub-groups with the pipeline, one without.
@@ -123,9 +129,55 @@ def test_pipeline_keeps_more_sub_groups_in_flight(ssd_results):
     assert piped >= 2 * plain > 0
 
 
+def _param_read_ahead(rank, world_size, nvme):
+    """Ordered log of SSD parameter reads and all-gathers over two steps."""
+    engine = _engine(_nvme_config(world_size, nvme, offload_param="nvme", is_communication_time_profiling=True))
+    events = engine.profiler.events
+    swap_in = engine.store.swap_in
+
+    def logged(keys, for_gather=False):
+        events.append(("ssd_read" if for_gather else "ssd_read_states", keys[0]))
+        return swap_in(keys, for_gather)
+
+    engine.store.swap_in = logged
+    steps = []
+    for s in range(2):
+        train_engine(engine, batches(2), rank, world_size, steps=[s])
+        steps.append([e if isinstance(e, tuple) else (e.op, e.tag) for e in events])
+        events.clear()
+    report = engine.memory_report()
+    engine.close()
+    return steps, report
+
+
+def test_parameter_shards_are_read_ahead_of_their_gathers(tmp_path):
+    steps, report = run_distributed(_param_read_ahead, DP, str(tmp_path), timeout=180)[0]
+
+    def read_early(events):
+        """Gathers whose shard's SSD read was started before some other gather (i.e. read ahead)."""
+        early = 0
+        for g, (op, tag) in enumerate(events):
+            if op != "all_gather" or not tag.startswith("chunk"):
+                continue
+            read = ("ssd_read", f"c{tag[len('chunk'):]}.param")
+            reads = [i for i in range(g) if events[i] == read]
+            if not reads:  # a resident chunk (refreshed after the step): not on SSD
+                continue
+            r = reads[-1]
+            early += any(events[i][0] == "all_gather" for i in range(r + 1, g))
+        return early
+
+    assert read_early(steps[0]) == 0  # no trace yet: each shard is read when its gather is issued
+    assert read_early(steps[1]) >= 2  # with the trace, reads run a window ahead of the gathers
+    for events in steps:  # the first sub-group's states are read while the gradient norm is reduced
+        first_read = next(i for i, e in enumerate(events) if e[0] == "ssd_read_states")
+        assert first_read < events.index(("all_reduce", "grad_norm"))
+    assert report.swap_buffers_now == 0 and report.peak_by_tier["host"] <= report.budget["host"]
+
+
 # ---- resume -----------------------------------------------------------------------------------------------
 def _train_and_save(rank, world_size, nvme, ckpt_dir):
-    engine = _engine(_nvme_config(world_size, nvme))
+    engine = _engine(_nvme_config(world_size, nvme, offload_param="nvme"))
     first = train_engine(engine, batches(), rank, world_size, steps=range(5))
     engine.save_checkpoint(ckpt_dir, client_state={"iteration": 5})
     rest = train_engine(engine, batches(), rank, world_size, steps=range(5, 10))
@@ -134,7 +186,7 @@ def _train_and_save(rank, world_size, nvme, ckpt_dir):
 
 
 def _resume(rank, world_size, nvme, ckpt_dir):
-    engine = _engine(_nvme_config(world_size, nvme), seed=123)
+    engine = _engine(_nvme_config(world_size, nvme, offload_param="nvme"), seed=123)
     _, client = engine.load_checkpoint(ckpt_dir)
     assert client == {"iteration": 5}
     rest = train_engine(engine, batches(), rank, world_size, steps=range(5, 10))
@@ -279,3 +331,48 @@ def test_falls_back_to_buffered_io_when_o_direct_is_refused(tmp_path, monkeypatc
     warnings = [r for r in caplog.records if "refuses O_DIRECT" in r.getMessage()]
     assert len(warnings) == 1  # warned once, later files skip O_DIRECT
     store.close()
+
+
+def test_swap_directory_is_removed_at_exit_without_close(tmp_path):
+    code = ("import sys, torch; from zero_cache.ssd_store import SSDStore; from zero_cache.config import AioConfig\n"
+            f"s = SSDStore(torch.device('cpu'), {str(tmp_path)!r}, AioConfig())\n"
+            "s.allocate('c0.exp_avg', 'optimizer', 'nvme', 1000, torch.float32)\n"
+            "print(s.directory)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=os.getcwd())
+    assert proc.returncode == 0, proc.stderr
+    directory = proc.stdout.strip()
+    assert directory.startswith(str(tmp_path)) and not os.path.exists(directory)
+
+
+def test_bf16_with_params_and_states_on_ssd_is_bit_identical_to_in_memory(tmp_path):
+    """Swapping is exact: bf16 parameter shards and fp32 masters/moments on SSD give the in-memory run's numbers."""
+    runs = {}
+    for name, zero in (("memory", {}),
+                       ("ssd", {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+                                "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}),
+                       ("params-ssd-states-host", {"offload_optimizer": {"device": "cpu"},
+                                                   "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}})):
+        cfg = ds_config(3, 1, sub_group_size=SUB_GROUP, **zero) | {"bf16": {"enabled": True}}
+        engine = _engine(cfg)
+        losses = train_engine(engine, batches(4), 0, 1)
+        runs[name] = (losses, engine.gather_state_dict(), engine.memory_report())
+        engine.close()
+    for name in ("ssd", "params-ssd-states-host"):
+        assert runs[name][0] == runs["memory"][0]
+        for k, v in runs["memory"][1].items():
+            assert torch.equal(runs[name][1][k], v), k
+    assert runs["ssd"][2].by_kind_tier[("params", "nvme")] > 0 and runs["ssd"][2].by_kind_tier[("optimizer", "nvme")] > 0
+    assert runs["params-ssd-states-host"][2].by_kind_tier[("optimizer", "host")] > 0
+    assert runs["memory"][0][-1] < runs["memory"][0][0] - 0.05
+
+
+def test_log_line_shows_tiers_and_overlap(tmp_path, caplog):
+    engine = _engine(_nvme_config(1, str(tmp_path)) | {"steps_per_print": 1})
+    with caplog.at_level(logging.INFO, logger="zero_cache.engine"):
+        train_engine(engine, batches(2), 0, 1, steps=[0])
+    rep = engine.memory_report()
+    engine.close()
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("zero_cache step 1:")]
+    assert "SSD read" in line and "hidden" in line
+    nvme_mib = rep.by_kind_tier[("optimizer", "nvme")] / 2**20
+    assert f"nvme={nvme_mib:.2f}MiB [optimizer={nvme_mib:.2f}]" in line

@@ -129,7 +129,7 @@ def load(engine, load_dir: str, tag: str | None, load_optimizer_states: bool) ->
     for c, m in zip(engine.chunks, unpack(saved["master"], shards)):
         engine.set_state_tensor(c, "master", m)
         if not c.master_is_param():
-            c.param_shard.copy_(m)
+            engine.set_state_tensor(c, "param", m)
     params = dict(engine.module.named_parameters())
     for n, t in saved["frozen"].items():
         params[n].copy_(t)
