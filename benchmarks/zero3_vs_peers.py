@@ -9,7 +9,9 @@ its row and the rest still run) and trains the same GPTModel from the same seede
 batches with the same AdamW, clipping and batch sizes. The two ZeRO-3 engines get the same DeepSpeed JSON.
 tokens/s is the global batch's tokens over the median step time of the timed steps (after the warm-up
 steps); peak RSS is each rank's largest resident set over its whole job (psutil); the last-step loss of
-every system must agree with DDP's to --loss-rtol (else the row is marked MISMATCH).
+every system must agree with DDP's to --loss-rtol (else the row is marked MISMATCH). The machine may be
+shared: the table shows the load average after each job, and --repeat N runs all systems N times
+round-robin and pools each system's timed steps.
 """
 from __future__ import annotations
 
@@ -63,16 +65,50 @@ BY_KEY = {s.key: s for s in SYSTEMS}
 
 @dataclass
 class Outcome:
+    """One torchrun job: one system, one round."""
     system: System
     ranks: list[dict]  # result_rank{r}.json contents, rank order; empty on failure
     error: str | None
     wall_s: float
     load_end: float  # 1-minute load average when the job ended: other work on the machine (this job adds ~nproc)
+    note: str | None = None  # something odd about a job that still produced its results
+
+    def timed_step_s(self, warmup: int) -> list[float]:
+        """Per timed step, the slowest rank's time (the ranks meet in the loss all-reduce every step)."""
+        return [max(r["step_s"][i] for r in self.ranks) for i in range(warmup, len(self.ranks[0]["step_s"]))]
+
+
+@dataclass
+class Row:
+    """A system's rounds, pooled: median over every timed step of every round, peak RSS over all rounds."""
+    system: System
+    rounds: list[Outcome]
 
     @property
-    def step_s(self) -> list[float]:
-        """Per step, the slowest rank's time (the ranks meet in the loss all-reduce every step)."""
-        return [max(r["step_s"][i] for r in self.ranks) for i in range(len(self.ranks[0]["step_s"]))]
+    def error(self) -> str | None:
+        failed = [(i, o) for i, o in enumerate(self.rounds) if o.error is not None]
+        if not failed:
+            return None
+        i, o = failed[0]
+        return o.error if len(self.rounds) == 1 else f"round {i + 1}: {o.error}"
+
+    def median_step_s(self, warmup: int) -> float:
+        return statistics.median(t for o in self.rounds for t in o.timed_step_s(warmup))
+
+    def first_step_s(self) -> float:
+        """The first (warm-up) step, median over rounds: one-time costs such as a ZeRO-3 trace recording."""
+        return statistics.median(max(r["step_s"][0] for r in o.ranks) for o in self.rounds)
+
+    def peak_rss(self) -> list[int]:
+        return [max(o.ranks[r]["peak_rss"] for o in self.rounds) for r in range(len(self.rounds[0].ranks))]
+
+    @property
+    def losses(self) -> list[float]:
+        return self.rounds[0].ranks[0]["losses"]
+
+    def rounds_agree(self, rtol: float) -> bool:
+        last = self.losses[-1]
+        return all(abs(o.ranks[0]["losses"][-1] - last) <= rtol * abs(last) for o in self.rounds)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -102,6 +138,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"which rows to run, of: {' '.join(BY_KEY)} (default: all)")
     p.add_argument("--peers-python", default=os.environ.get("PEERS_PYTHON", PEERS_VENV_PYTHON),
                    help="python of the peers' venv (DeepSpeed); made by benchmarks/peers_env.sh")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds over all systems (pooled per system): evens out load from other work on the machine")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per system before it is killed")
     p.add_argument("--loss-rtol", type=float, default=1e-4, help="allowed relative last-step loss difference")
     p.add_argument("--run-dir", help="logs and per-rank results (default: a new folder under /tmp)")
@@ -110,8 +148,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.global_batch % (a.micro_batch * a.nproc):
         p.error(f"--global-batch {a.global_batch} is not divisible by --micro-batch {a.micro_batch} x --nproc "
                 f"{a.nproc}; choose sizes that divide")
-    if a.steps < 1 or a.warmup < 0:
-        p.error("--steps must be >= 1 and --warmup >= 0")
+    if a.steps < 1 or a.warmup < 0 or a.repeat < 1:
+        p.error("--steps and --repeat must be >= 1 and --warmup >= 0")
     return a
 
 
@@ -132,20 +170,33 @@ def worker_env(threads: int) -> dict[str, str]:
     return env
 
 
+# Log lines that name a crash without a Python exception (a rank killed by a signal), most telling first.
+CRASH_MARKERS = ("terminate called", "Segmentation fault", "Killed", "traceback : Signal")
+
+
 def first_error(out_dir: str, log_path: str, rc: int) -> str:
-    """The failing rank's exception (one line), else the log's last error-looking line, else the exit code."""
+    """The failing rank's exception (one line), else the log's crash or last error line, else the exit code."""
     for name in sorted(os.listdir(out_dir)):
         if name.startswith("error_rank"):
             with open(os.path.join(out_dir, name), encoding="utf-8") as f:
                 return f.readline().strip()
     with open(log_path, encoding="utf-8", errors="replace") as f:
-        lines = [ln.strip() for ln in f if "Error" in ln or "error:" in ln]
-    return lines[-1] if lines else f"exit code {rc}"
+        lines = [ln.strip() for ln in f]
+    for marker in CRASH_MARKERS:
+        hits = [ln for ln in lines if marker in ln]
+        if hits:
+            return f"exit code {rc}: {hits[0]}"
+    errors = [ln for ln in lines if "Error" in ln or "error:" in ln]
+    return errors[-1] if errors else f"exit code {rc}"
 
 
-def run_system(system: System, spec_path: str, spec: BenchSpec, a: argparse.Namespace, run_dir: str) -> Outcome:
-    out_dir = os.path.join(run_dir, system.key)
+def run_system(system: System, spec_path: str, spec: BenchSpec, a: argparse.Namespace, run_dir: str,
+               round_index: int) -> Outcome:
+    out_dir = os.path.join(run_dir, system.key if a.repeat == 1 else f"{system.key}-round{round_index + 1}")
     os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(out_dir):  # a reused --run-dir must not lend this job an earlier job's results
+        if name.startswith(("result_rank", "error_rank")):
+            os.remove(os.path.join(out_dir, name))
     log_path = os.path.join(out_dir, "log.txt")
     python = a.peers_python if system.peers_env else sys.executable
     if not os.path.isfile(python):
@@ -165,7 +216,10 @@ def run_system(system: System, spec_path: str, spec: BenchSpec, a: argparse.Name
 
         def kill() -> None:
             timed_out.set()
-            os.killpg(proc.pid, signal.SIGKILL)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended just now
+                pass
 
         timer = threading.Timer(a.timeout, kill)
         timer.start()
@@ -179,40 +233,45 @@ def run_system(system: System, spec_path: str, spec: BenchSpec, a: argparse.Name
     if timed_out.is_set():
         return Outcome(system, [], f"timed out after {a.timeout:.0f} s (log: {log_path})", wall, load)
     files = [os.path.join(out_dir, f"result_rank{r}.json") for r in range(a.nproc)]
-    if rc != 0 or not all(os.path.isfile(f) for f in files):
+    if not all(os.path.isfile(f) for f in files):
         return Outcome(system, [], first_error(out_dir, log_path, rc), wall, load)
     ranks = []
     for f in files:
         with open(f, encoding="utf-8") as fh:
             ranks.append(json.load(fh))
-    return Outcome(system, ranks, None, wall, load)
+    # Results are written after the last step and a barrier: a non-zero exit after that is a teardown crash.
+    note = None if rc == 0 else \
+        f"{first_error(out_dir, log_path, rc)}, after every rank had written its results (log: {log_path})"
+    return Outcome(system, ranks, None, wall, load, note)
 
 
-def tokens_per_s(o: Outcome, spec: BenchSpec) -> float:
-    return spec.global_batch * spec.seq / statistics.median(o.step_s[spec.warmup:])
+def tokens_per_s(median_step_s: float, spec: BenchSpec) -> float:
+    return spec.global_batch * spec.seq / median_step_s
 
 
-def table(outcomes: list[Outcome], spec: BenchSpec, rtol: float) -> list[str]:
-    ok = {o.system.key: o for o in outcomes if o.error is None}
+def table(rows: list[Row], spec: BenchSpec, rtol: float) -> list[str]:
+    ok = {r.system.key: r for r in rows if r.error is None}
     ref = ok.get("ddp") or next(iter(ok.values()), None)
-    ref_loss = ref.ranks[0]["losses"][-1] if ref else None
-    rows = ["| system | tokens/s | vs DeepSpeed ZeRO-3 (same offload) | median step (s) | peak RSS rank 0 / 1 (GiB) "
-            f"| last-step loss | vs {ref.system.key if ref else '-'} loss | load at end |",
-            "|---|---:|---:|---:|---:|---:|---|---:|"]
-    for o in outcomes:
-        if o.error is not None:
-            rows.append(f"| {o.system.name} | failed: {o.error.replace('|', '/')} | | | | | | {o.load_end:.1f} |")
+    out = ["| system | tokens/s | vs DeepSpeed ZeRO-3 (same offload) | median step (s) | first step (s) "
+           f"| peak RSS rank 0 / 1 (GiB) | last-step loss | vs {ref.system.key if ref else '-'} loss | load at end |",
+           "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for r in rows:
+        load = " / ".join(f"{o.load_end:.1f}" for o in r.rounds)
+        if r.error is not None:
+            out.append(f"| {r.system.name} | failed: {r.error.replace('|', '/')} | | | | | | | {load} |")
             continue
-        tps = tokens_per_s(o, spec)
-        peer = ok.get("deepspeed-offload" if o.system.offload else "deepspeed")
-        ratio = f"{tps / tokens_per_s(peer, spec):.2f}x" if peer else "n/a (no DeepSpeed result)"
-        rss = " / ".join(f"{r['peak_rss'] / 2**30:.2f}" for r in o.ranks)
-        loss = o.ranks[0]["losses"][-1]
+        step = r.median_step_s(spec.warmup)
+        peer = ok.get("deepspeed-offload" if r.system.offload else "deepspeed")
+        ratio = f"{peer.median_step_s(spec.warmup) / step:.2f}x" if peer else "n/a (no DeepSpeed result)"
+        rss = " / ".join(f"{b / 2**30:.2f}" for b in r.peak_rss())
+        loss, ref_loss = r.losses[-1], ref.losses[-1]
         rel = abs(loss - ref_loss) / abs(ref_loss)
         check = f"{rel:.1e} ok" if rel <= rtol else f"{rel:.1e} **MISMATCH** (> {rtol:g})"
-        rows.append(f"| {o.system.name} | {tps:.1f} | {ratio} | {statistics.median(o.step_s[spec.warmup:]):.2f} "
-                    f"| {rss} | {loss:.6f} | {check} | {o.load_end:.1f} |")
-    return rows
+        if not r.rounds_agree(rtol):
+            check += " **rounds disagree**"
+        out.append(f"| {r.system.name} | {tokens_per_s(step, spec):.1f} | {ratio} | {step:.2f} "
+                   f"| {r.first_step_s():.2f} | {rss} | {loss:.6f} | {check} | {load} |")
+    return out
 
 
 def peers_versions(python: str) -> str:
@@ -236,7 +295,7 @@ def header(spec: BenchSpec, a: argparse.Namespace) -> list[str]:
         f"heads, vocab {spec.vocab}, tied embeddings), seq {spec.seq}, micro-batch {spec.micro_batch}, global batch "
         f"{spec.global_batch} ({a.nproc} ranks x {spec.micro_batch} x {spec.grad_accumulation(a.nproc)} accumulation)"
         f", fp32, gloo; {spec.warmup} warm-up + {spec.steps} timed steps; AdamW lr {spec.lr}, wd {spec.weight_decay}"
-        f", clip {spec.clip_grad}; zero_cache page {spec.page_size:.3g} elements",
+        f", clip {spec.clip_grad}; zero_cache page {spec.page_size:.3g} elements; {a.repeat} round(s)",
         f"{datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}; {platform.node()}: {os.cpu_count()} cores, "
         f"{mem:.1f} GiB RAM, {spec.threads} thread(s)/rank, load average at start "
         f"{os.getloadavg()[0]:.1f}; torch {torch.__version__}; {peers_versions(a.peers_python)}",
@@ -246,32 +305,43 @@ def header(spec: BenchSpec, a: argparse.Namespace) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     spec = make_spec(a)
+    try:
+        lines = header(spec, a)
+    except ValueError as e:  # a model shape the GPT cannot take, caught before any job starts
+        raise SystemExit(f"zero3_vs_peers.py: error: {e}") from None
     run_dir = a.run_dir or os.path.join("/tmp", f"zero3_vs_peers-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     os.makedirs(run_dir, exist_ok=True)
     spec_path = os.path.join(run_dir, "spec.json")
     spec.save(spec_path)
-    lines = header(spec, a)
     print("\n".join(lines) + f"\nlogs: {run_dir}", flush=True)
-    outcomes = []
-    systems = [BY_KEY[k] for k in a.systems]
-    for i, s in enumerate(systems):
-        print(f"[{i + 1}/{len(systems)}] {s.name} ...", flush=True)
-        o = run_system(s, spec_path, spec, a, run_dir)
-        outcomes.append(o)
-        state = f"failed: {o.error}" if o.error else f"{tokens_per_s(o, spec):.1f} tokens/s"
-        print(f"[{i + 1}/{len(systems)}] {s.name}: {state} ({o.wall_s:.0f} s wall)", flush=True)
-    rows = table(outcomes, spec, a.loss_rtol)
-    print("\n" + "\n".join(lines) + "\n\n" + "\n".join(rows))
-    print("\nlosses per step (global batch mean):")
-    for o in outcomes:
-        if o.error is None:
-            print(f"  {o.system.key:<18} " + " ".join(f"{x:.6f}" for x in o.ranks[0]["losses"]))
+    rows = [Row(BY_KEY[k], []) for k in a.systems]
+    jobs, started = len(rows) * a.repeat, time.perf_counter()
+    for n in range(jobs):
+        row, round_index = rows[n % len(rows)], n // len(rows)
+        tag = f"[{n + 1}/{jobs}]" + (f" round {round_index + 1}" if a.repeat > 1 else "")
+        print(f"{tag} {row.system.name} ...", flush=True)
+        o = run_system(row.system, spec_path, spec, a, run_dir, round_index)
+        row.rounds.append(o)
+        state = f"failed: {o.error}" if o.error else \
+            f"{tokens_per_s(statistics.median(o.timed_step_s(spec.warmup)), spec):.1f} tokens/s"
+        elapsed = time.perf_counter() - started
+        print(f"{tag} {row.system.name}: {state} ({o.wall_s:.0f} s wall; ETA of the run "
+              f"{elapsed / (n + 1) * (jobs - n - 1):.0f} s)", flush=True)
+    out = table(rows, spec, a.loss_rtol)
+    print("\n" + "\n".join(lines) + "\n\n" + "\n".join(out))
+    notes = [f"  {r.system.key} round {i + 1}: {o.note}" for r in rows for i, o in enumerate(r.rounds) if o.note]
+    if notes:
+        print("\nnotes:\n" + "\n".join(notes))
+    print("\nlosses per step (global batch mean, round 1):")
+    for r in rows:
+        if r.error is None:
+            print(f"  {r.system.key:<18} " + " ".join(f"{x:.6f}" for x in r.losses))
     if a.json:
         with open(a.json, "w", encoding="utf-8") as f:
-            json.dump({"spec": dataclasses.asdict(spec), "header": lines, "table": rows,
-                       "results": [{"system": o.system.key, "error": o.error, "wall_s": o.wall_s,
-                                    "load_end": o.load_end, "ranks": o.ranks}
-                                   for o in outcomes]}, f, indent=1)
+            json.dump({"spec": dataclasses.asdict(spec), "header": lines, "table": out,
+                       "results": [{"system": r.system.key, "round": i + 1, "error": o.error, "note": o.note,
+                                    "wall_s": o.wall_s, "load_end": o.load_end, "ranks": o.ranks}
+                                   for r in rows for i, o in enumerate(r.rounds)]}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -158,8 +158,10 @@ def run(spec: BenchSpec, system: str, make_trainer: Callable[[torch.nn.Module, B
         step_s.append(time.perf_counter() - t0)
         losses.append(total.item() / (gas * world))
         if rank == 0:
+            left = spec.warmup + spec.steps - step - 1
             print(f"[{system}] step {step + 1}/{spec.warmup + spec.steps}: loss {losses[-1]:.6f}, "
-                  f"{step_s[-1]:.2f} s", flush=True)
+                  f"{step_s[-1]:.2f} s, {spec.global_batch * spec.seq / step_s[-1]:.1f} tokens/s, "
+                  f"ETA {left * step_s[-1]:.0f} s", flush=True)
     dist.barrier()
     result = {"system": system, "rank": rank, "world": world, "setup_s": setup_s, "step_s": step_s,
               "losses": losses, "peak_rss": rss.stop(), "threads": torch.get_num_threads()}

@@ -12,7 +12,8 @@ from .harness import BenchSpec, param_groups
 class ZeroCacheTrainer:
     def __init__(self, model: torch.nn.Module, spec: BenchSpec, gas: int, offload: bool):
         world = ps.get_data_parallel_world_size()
-        self.engine = zero_cache.initialize(model, spec.ds_config(world, offload), dp_group=ps.get_data_parallel_group(),
+        self.engine = zero_cache.initialize(model, spec.ds_config(world, offload),
+                                            dp_group=ps.get_data_parallel_group(),
                                             model_parallel_group=ps.get_model_parallel_group(),
                                             param_groups=param_groups(model, spec.weight_decay))
         # The tied output head reads the embedding's weight outside the embedding module.
