@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import socket
+import sys
 import time
 
 import torch
@@ -95,3 +96,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # torch 2.13's gloo teardown can abort at interpreter exit ("terminate called without an active
+    # exception") after everything finished; this stand-in has nothing left to clean up, so skip it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
