@@ -71,30 +71,27 @@ class Comm:
         if self.size == 1:
             self.active = False
 
-    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, tag: str = "", async_op: bool = False) -> Handle:
-        ev = self.profiler.issue("all_gather", tag, out.numel() * out.element_size())
-        if not self.active:
-            if out.data_ptr() != shard.data_ptr():
-                out.copy_(shard)
-            work = None
-        else:
-            work = dist.all_gather_single(out, shard, group=self.group, async_op=True)
+    def _run(self, kind: str, tag: str, nbytes: int, collective, local, async_op: bool) -> Handle:
+        """Profile, then run ``collective`` (async) over the group, or ``local`` when there is no peer."""
+        ev = self.profiler.issue(kind, tag, nbytes)
+        work = collective() if self.active else local()
         h = Handle(work, ev)
         if not async_op:
             h.wait()
         return h
 
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, tag: str = "", async_op: bool = False) -> Handle:
+        def local():
+            if out.data_ptr() != shard.data_ptr():
+                out.copy_(shard)
+        return self._run("all_gather", tag, out.numel() * out.element_size(),
+                         lambda: dist.all_gather_single(out, shard, group=self.group, async_op=True), local, async_op)
+
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, tag: str = "", async_op: bool = False) -> Handle:
-        ev = self.profiler.issue("reduce_scatter", tag, full.numel() * full.element_size())
-        if not self.active:
+        def local():
             out.copy_(full)
-            work = None
-        else:
-            work = dist.reduce_scatter_single(out, full, group=self.group, async_op=True)
-        h = Handle(work, ev)
-        if not async_op:
-            h.wait()
-        return h
+        return self._run("reduce_scatter", tag, full.numel() * full.element_size(),
+                         lambda: dist.reduce_scatter_single(out, full, group=self.group, async_op=True), local, async_op)
 
     def all_reduce(self, t: torch.Tensor, op=None, tag: str = "") -> None:
         if self.active:
