@@ -2,8 +2,9 @@
 from .aio import SSDTierError
 from .config import ConfigError, ZeroCacheConfig, parse_config
 from .engine import StepResult, ZeroEngine, initialize
+from .lazy_init import storage_less_parameters
 from .ssd_store import SSDStore
 from .store import DeviceHostStore, MemoryReport, ShardStore
 
-__all__ = ["initialize", "ZeroEngine", "StepResult", "ZeroCacheConfig", "ConfigError", "parse_config",
+__all__ = ["initialize", "storage_less_parameters", "ZeroEngine", "StepResult", "ZeroCacheConfig", "ConfigError", "parse_config",
            "ShardStore", "DeviceHostStore", "SSDStore", "SSDTierError", "MemoryReport"]

@@ -10,6 +10,8 @@ is reopened without, once, with a warning). Payloads move between the file and *
 ``AioEngine`` runs whole-file jobs on ``aio.intra_op_parallelism`` threads with at most
 ``aio.queue_depth`` jobs queued per thread (submitting more blocks the caller: bounded memory), and
 records each job's busy interval so callers can measure how much I/O time their compute hid.
+Checkpoints move byte ranges of a page file instead (``read_span`` / ``write_span``, in the caller's
+thread), through a buffer of one block, so a shard never has to fit in host memory whole.
 A truncated or corrupted page file, or a full disk, is an ``SSDTierError`` naming the file.
 """
 from __future__ import annotations
@@ -55,10 +57,10 @@ class AlignedBuffer:
     def __init__(self, capacity: int):
         self.capacity = round_up(max(capacity, 1))
         self.mm = mmap.mmap(-1, self.capacity)
-        self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
 
     def view(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        return self.bytes[:numel * torch.empty((), dtype=dtype).element_size()].view(dtype)
+        """The first ``numel`` elements; the tensor's storage is exactly those bytes (torch.save writes no more)."""
+        return torch.frombuffer(self.mm, dtype=dtype, count=numel)
 
 
 class BufferPool:
@@ -93,10 +95,23 @@ class BufferPool:
             self.peak_in_use = max(self.peak_in_use, self.in_use)
         return buf
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``acquire(nbytes)`` would succeed now (free buffers of other sizes can be dropped)."""
+        cap = round_up(max(nbytes, 1))
+        with self._lock:
+            return self.limit is None or bool(self._free.get(cap)) or self.in_use + cap <= self.limit
+
     def release(self, buf: AlignedBuffer) -> None:
         with self._lock:
             self.in_use -= buf.capacity
             self._free.setdefault(buf.capacity, []).append(buf)
+
+    def trim(self) -> None:
+        """Drop the free buffers (their memory goes back to the system once no tensor views them)."""
+        with self._lock:
+            for bufs in self._free.values():
+                self.held -= sum(b.capacity for b in bufs)
+            self._free = {}
 
 
 class PageFile:
@@ -104,10 +119,14 @@ class PageFile:
 
     def __init__(self, path: str, key: str, numel: int, dtype: torch.dtype, direct: bool):
         self.path, self.key, self.numel, self.dtype = path, key, numel, dtype
-        self.payload = numel * torch.empty((), dtype=dtype).element_size()
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self.payload = numel * self.itemsize
         self.capacity = round_up(max(self.payload, 1))
         self.file_bytes = HEADER_BYTES + self.capacity
         self.direct = direct
+        self.crc_known = True  # False while range writes have left the header's CRC-32 stale
+        self._read_pass: tuple[int, int] | None = None  # (next byte, running CRC-32) of a pass of range reads
+        self._write_pass: tuple[int, int] | None = None
         self.fd = self._open(create=True)
         try:
             os.posix_fallocate(self.fd, 0, self.file_bytes)
@@ -164,14 +183,19 @@ class PageFile:
         mv = memoryview(buf.mm)
         crc = zlib.crc32(mv[:self.payload])
         self._io(True, mv[:self.capacity], HEADER_BYTES, block)
+        self._write_header(crc)
+        self._read_pass = self._write_pass = None
+
+    def _write_header(self, crc: int) -> None:
         header = AlignedBuffer(HEADER_BYTES)
         key = self.key.encode()[:HEADER_BYTES - _HEADER.size]
         _HEADER.pack_into(header.mm, 0, MAGIC, self.numel, self.payload, self.capacity, crc, len(key))
         header.mm[_HEADER.size:_HEADER.size + len(key)] = key
         self._io(True, memoryview(header.mm), 0, HEADER_BYTES)
+        self.crc_known = True
 
-    def read(self, buf: AlignedBuffer, block: int) -> None:
-        """Fill ``buf`` with the payload; verify file size, header and checksum first/after."""
+    def _header_crc(self) -> int:
+        """Check the file size and the header; the payload CRC-32 the header records."""
         size = os.fstat(self.fd).st_size
         if size < self.file_bytes:
             raise SSDTierError(f"SSD tier: page file '{self.path}' is truncated: {size} bytes, expected "
@@ -183,17 +207,83 @@ class PageFile:
         if magic != MAGIC or numel != self.numel or payload != self.payload or capacity != self.capacity:
             raise SSDTierError(f"SSD tier: page file '{self.path}' has a corrupted header (magic {magic!r}, "
                                f"{numel} elements / {payload} bytes, expected {self.numel} / {self.payload})")
+        return crc
+
+    def _check_crc(self, got: int, recorded: int) -> None:
+        if not self.crc_known:  # range writes left the header's CRC stale: this full pass re-establishes it
+            self._write_header(got)
+        elif got != recorded:
+            raise SSDTierError(f"SSD tier: page file '{self.path}' is corrupted: payload CRC-32 {got:#010x}, "
+                               f"header says {recorded:#010x} (shard '{self.key}')")
+
+    def read(self, buf: AlignedBuffer, block: int) -> None:
+        """Fill ``buf`` with the payload; verify file size, header and checksum first/after."""
+        crc = self._header_crc()
         mv = memoryview(buf.mm)
         self._io(False, mv[:self.capacity], HEADER_BYTES, block)
-        got = zlib.crc32(mv[:self.payload])
-        if got != crc:
-            raise SSDTierError(f"SSD tier: page file '{self.path}' is corrupted: payload CRC-32 {got:#010x}, "
-                               f"header says {crc:#010x} (shard '{self.key}')")
+        self._check_crc(zlib.crc32(mv[:self.payload]), crc)
+
+    # ---- byte ranges (checkpoints) ----------------------------------------------------------------------
+    # A range lives in ``buf`` at its offset from ``start`` rounded down to 4 KiB, so whole pages move.
+    # Consecutive ranges from byte 0 to the end form a *pass* whose running CRC-32 verifies the payload
+    # (reads) or becomes the header's (writes). Any other write makes the header's CRC stale until the
+    # next full read or read pass, which records the CRC it computes.
+
+    def read_span(self, buf: AlignedBuffer, start: int, stop: int, block: int) -> None:
+        """Payload bytes [start, stop) into ``buf``; file size and header checked, CRC-32 at the end of a pass."""
+        recorded = self._header_crc()
+        base = start - start % ALIGN
+        mv = memoryview(buf.mm)[:round_up(stop) - base]
+        self._io(False, mv, HEADER_BYTES + base, block)
+        running = _extend(self._read_pass, start, mv[start - base:stop - base])
+        self._read_pass = (stop, running) if running is not None and stop < self.payload else None
+        if running is not None and stop == self.payload:
+            self._check_crc(running, recorded)
+
+    def fill_edges(self, buf: AlignedBuffer, start: int, stop: int) -> None:
+        """Read the partly covered first and last pages of [start, stop) into ``buf`` before ``write_span``
+        overwrites whole pages, so the bytes around the range are kept."""
+        base = start - start % ALIGN
+        last = stop - stop % ALIGN
+        mv = memoryview(buf.mm)
+        if start % ALIGN:
+            self._io(False, mv[:ALIGN], HEADER_BYTES + base, ALIGN)
+        if stop % ALIGN and not (start % ALIGN and last == base):
+            self._io(False, mv[last - base:last - base + ALIGN], HEADER_BYTES + last, ALIGN)
+
+    def write_span(self, buf: AlignedBuffer, start: int, stop: int, block: int) -> None:
+        """Write payload bytes [start, stop) from ``buf`` (after ``fill_edges``); a finished pass writes the header."""
+        base = start - start % ALIGN
+        mv = memoryview(buf.mm)[:round_up(stop) - base]
+        running = _extend(self._write_pass, start, mv[start - base:stop - base])
+        self._io(True, mv, HEADER_BYTES + base, block)
+        self._read_pass = None
+        self.crc_known = False
+        self._write_pass = (stop, running) if running is not None and stop < self.payload else None
+        if running is not None and stop == self.payload:
+            self._write_header(running)
 
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _extend(progress: tuple[int, int] | None, start: int, data: memoryview) -> int | None:
+    """Running CRC-32 of a pass after ``data`` (payload bytes from ``start``); None when it does not continue one."""
+    if start == 0:
+        return zlib.crc32(data)
+    if progress is not None and progress[0] == start:
+        return zlib.crc32(data, progress[1])
+    return None
+
+
+def spans(start: int, stop: int, window: int):
+    """[start, stop) in consecutive pieces whose 4 KiB-aligned cover fits in ``window`` bytes (a multiple of 4 KiB)."""
+    while start < stop:
+        end = min(stop, start - start % ALIGN + window)
+        yield start, end
+        start = end
 
 
 def _no_space(path: str, needed: int) -> str:

@@ -13,29 +13,44 @@ Placement rules (one authoritative home per state):
   device or SSD with a CPU compute device. Otherwise a separate fp32 master exists (bf16/fp16, or
   resident chunks whose optimizer is offloaded).
 The rules are code in ``placement.chunk_layout`` (placement under budgets uses the same function).
-Values are broadcast from DP rank 0 so every replica starts identical.
+Values are broadcast from DP rank 0 so every replica starts identical. A parameter without storage
+(lazy_init.py) gets its values from ``param_init`` here, one chunk at a time.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 from .comm import Comm
+from .lazy_init import has_no_storage
 from .config import ZeroCacheConfig
 from .partition import ChunkPlan, FlatChunk
 from .placement import chunk_layout
 from .store import DEVICE, NVME, ShardStore
 
+ParamInit = Callable[[str, torch.nn.Parameter], torch.Tensor]
+
 
 def build_chunk(plan: ChunkPlan, opt_tier: str, store: ShardStore, comm: Comm, cfg: ZeroCacheConfig,
-                dtype: torch.dtype, device: torch.device) -> FlatChunk:
+                dtype: torch.dtype, device: torch.device, param_init: ParamInit | None = None,
+                grad_on_ssd: bool = False) -> FlatChunk:
     i = plan.index
     # The chunk's initial values, fp32, broadcast so that every DP replica starts identical.
     init = torch.zeros(plan.padded, dtype=torch.float32, device=device)
     for s in plan.slots:
-        init[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+        if has_no_storage(s.param):  # built lazily (lazy_init.py): its values exist only now
+            if param_init is None:
+                raise ValueError(f"zero_cache.initialize: parameter '{s.name}' has no storage; pass param_init="
+                                 f"fn(name, param) returning its initial values")
+            value = param_init(s.name, s.param)
+        else:
+            value = s.param.detach()
+        init[s.offset:s.offset + s.numel].copy_(value.reshape(-1))
+        del value
     comm.broadcast_from_first(init)
 
-    layout = {spec.name: spec for spec in chunk_layout(plan, opt_tier, cfg, dtype, device)}
+    layout = {spec.name: spec for spec in chunk_layout(plan, opt_tier, cfg, dtype, device, grad_on_ssd)}
 
     def alloc(name: str):
         spec = layout[name]

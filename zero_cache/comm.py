@@ -1,9 +1,17 @@
 """Collectives over one process group, with optional per-collective time/bytes profiling.
 
-Works without torch.distributed (a group of one) so single-process use needs no process group.
-``is_communication_time_profiling`` records every collective (issue order, bytes, seconds from issue to
-completion) and the engine prints a per-step summary; ``events`` doubles as an ordered trace that tests
-use to check that prefetch gathers are issued ahead of compute.
+Works without torch.distributed (a group of one) so single-process use needs no process group; with no
+peer nothing is communicated and nothing is recorded. ``is_communication_time_profiling`` records every
+collective on the group: its kind, bytes, the seconds from issue to completion and the seconds the
+caller sat blocked in ``wait()``, all host clock (on CUDA, NCCL's ``wait()`` returns once the compute stream
+is ordered after the collective, so there the times are host-side spans, not kernel times; counts and bytes
+are exact everywhere). ``CommProfiler.end_step`` turns one step's records into a
+``CommStepStats`` (per kind totals next to the ZeRO theory, see comm_theory.py); ``events`` doubles as an
+ordered trace that tests use to check that prefetch gathers are issued ahead of compute.
+
+Bytes of a collective: the size of the full buffer it produces or consumes on this rank (all-gather: the
+gathered output; reduce-scatter: the unreduced input; all-reduce and broadcast: the tensor). A ring
+algorithm sends and receives (N-1)/N of that per rank.
 """
 from __future__ import annotations
 
@@ -13,6 +21,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+
+
+# Flat-tensor collectives: torch 2.13 names them *_single; older releases (GPU images) *_into_tensor / *_tensor.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 @dataclass
 class CommEvent:
@@ -20,31 +34,78 @@ class CommEvent:
     tag: str
     nbytes: int
     issued: float
-    seconds: float = -1.0  # filled when waited
+    seconds: float = -1.0  # issue to completion, filled when waited
+    blocked: float = 0.0  # time the waiter spent inside wait()
+
+
+@dataclass(frozen=True)
+class CollectiveTotals:
+    """One kind of collective over one step (theory: count and bytes only)."""
+    count: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0  # sum of spans from issue until a waiter saw completion (async ones overlap compute)
+    wait_seconds: float = 0.0  # sum of the time callers sat blocked in wait(): the exposed part
+
+
+@dataclass(frozen=True)
+class CommStepStats:
+    """Collectives of one optimizer step on this rank's data-parallel group, measured and in theory.
+
+    Measured covers everything issued since the previous step (the first step also carries the start-up
+    broadcast of the initial weights; checkpoint loads and exports land in the step that follows them)."""
+    measured: dict[str, CollectiveTotals]  # every kind in COLLECTIVES
+    theory: dict[str, CollectiveTotals]
+
+    def bytes_vs_theory(self, kind: str) -> float | None:
+        """Measured bytes over theory bytes (None when theory expects none of this kind)."""
+        expected = self.theory[kind].nbytes
+        return self.measured[kind].nbytes / expected if expected else None
+
+    def fields(self) -> list[str]:
+        """One text field per kind that happened or was expected."""
+        out = []
+        for kind in COLLECTIVES:
+            m, t = self.measured[kind], self.theory[kind]
+            if not (m.count or t.count):
+                continue
+            ratio = self.bytes_vs_theory(kind)
+            vs = f"{ratio:.2f}x theory" if ratio is not None else "theory 0"
+            out.append(f"{kind}: {m.count} calls, {m.nbytes / 2**20:.2f} MiB ({vs}), {m.seconds * 1e3:.1f} ms, "
+                       f"{m.wait_seconds * 1e3:.1f} ms waited")
+        return out
+
+    def line(self) -> str:
+        return "; ".join(self.fields()) or "no collectives"
 
 
 class CommProfiler:
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self.events: list = []  # CommEvent, or any marker a caller appends (ordered trace)
+        self._step: list[CommEvent] = []  # this step's collectives
+        self.last_step: CommStepStats | None = None
 
     def issue(self, op: str, tag: str, nbytes: int) -> CommEvent | None:
         if not self.enabled:
             return None
         ev = CommEvent(op, tag, nbytes, time.perf_counter())
         self.events.append(ev)
+        self._step.append(ev)
         return ev
 
-    def summary_and_reset(self) -> str:
-        per_op: dict[str, list[float]] = {}
-        for ev in self.events:
-            if isinstance(ev, CommEvent):
-                acc = per_op.setdefault(ev.op, [0, 0, 0.0])
-                acc[0] += 1
-                acc[1] += ev.nbytes
-                acc[2] += max(ev.seconds, 0.0)
-        self.events = []
-        return "; ".join(f"{op}: {n} calls, {b / 2**20:.1f}MiB, {s * 1e3:.1f}ms" for op, (n, b, s) in per_op.items())
+    def end_step(self, theory: dict[str, CollectiveTotals]) -> CommStepStats:
+        """Close the step: totals per kind of everything issued since the previous call (all waited by now)."""
+        acc = {kind: [0, 0, 0.0, 0.0] for kind in COLLECTIVES}
+        for ev in self._step:
+            a = acc[ev.op]
+            a[0] += 1
+            a[1] += ev.nbytes
+            a[2] += max(ev.seconds, 0.0)
+            a[3] += ev.blocked
+        self._step = []
+        self.last_step = CommStepStats({k: CollectiveTotals(*a) for k, a in acc.items()},
+                                       {k: theory.get(k, CollectiveTotals()) for k in COLLECTIVES})
+        return self.last_step
 
 
 class Handle:
@@ -55,10 +116,13 @@ class Handle:
 
     def wait(self) -> None:
         if self._work is not None:
+            start = time.perf_counter()
             self._work.wait()
             self._work = None
             if self._event is not None:
-                self._event.seconds = time.perf_counter() - self._event.issued
+                done = time.perf_counter()
+                self._event.seconds = done - self._event.issued
+                self._event.blocked = done - start
 
 
 class Comm:
@@ -72,10 +136,12 @@ class Comm:
             self.active = False
 
     def _run(self, kind: str, tag: str, nbytes: int, collective, local, async_op: bool) -> Handle:
-        """Profile, then run ``collective`` (async) over the group, or ``local`` when there is no peer."""
+        """Profile and run ``collective`` (async) over the group, or ``local`` when there is no peer."""
+        if not self.active:
+            local()
+            return Handle(None, None)
         ev = self.profiler.issue(kind, tag, nbytes)
-        work = collective() if self.active else local()
-        h = Handle(work, ev)
+        h = Handle(collective(), ev)
         if not async_op:
             h.wait()
         return h
@@ -85,23 +151,23 @@ class Comm:
             if out.data_ptr() != shard.data_ptr():
                 out.copy_(shard)
         return self._run("all_gather", tag, out.numel() * out.element_size(),
-                         lambda: dist.all_gather_single(out, shard, group=self.group, async_op=True), local, async_op)
+                         lambda: _ALL_GATHER(out, shard, group=self.group, async_op=True), local, async_op)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, tag: str = "", async_op: bool = False) -> Handle:
         def local():
             out.copy_(full)
         return self._run("reduce_scatter", tag, full.numel() * full.element_size(),
-                         lambda: dist.reduce_scatter_single(out, full, group=self.group, async_op=True), local, async_op)
+                         lambda: _REDUCE_SCATTER(out, full, group=self.group, async_op=True), local, async_op)
 
     def all_reduce(self, t: torch.Tensor, op=None, tag: str = "") -> None:
-        if self.active:
-            ev = self.profiler.issue("all_reduce", tag, t.numel() * t.element_size())
-            Handle(dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group, async_op=True), ev).wait()
+        self._run("all_reduce", tag, t.numel() * t.element_size(),
+                  lambda: dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group, async_op=True),
+                  lambda: None, async_op=False)
 
-    def broadcast_from_first(self, t: torch.Tensor) -> None:
-        if self.active:
-            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-            dist.broadcast(t, src=src, group=self.group)
+    def broadcast_from_first(self, t: torch.Tensor, tag: str = "") -> None:
+        src = dist.get_global_rank(self.group, 0) if self.active and self.group is not None else 0
+        self._run("broadcast", tag, t.numel() * t.element_size(),
+                  lambda: dist.broadcast(t, src=src, group=self.group, async_op=True), lambda: None, async_op=False)
 
 
 def group_all_reduce(t: torch.Tensor, group, op=None, device: torch.device | None = None) -> None:

@@ -131,16 +131,29 @@ class ParamCoordinator:
         for c in ids:
             self._wait(c)
 
-    def _read_ahead(self, c: int) -> None:
-        if "param" in self.chunks[c].swapped and c not in self.ssd_reads:
-            self.ssd_reads[c] = self.store.swap_in([self.chunks[c].state_key("param")], for_gather=True)
+    def _read_ahead(self, c: int, optional: bool = True) -> bool:
+        """Start reading chunk ``c``'s parameter shard from SSD. Read-ahead is skipped (False) when the
+        staging reserve is full; a read the gather needs now first waits for the gathers in flight, whose
+        staging buffers are then released."""
+        if "param" not in self.chunks[c].swapped or c in self.ssd_reads:
+            return True
+        key = self.chunks[c].state_key("param")
+        handle = self.store.swap_in([key], for_gather=True, optional=True)
+        if handle is None and not optional:
+            for other in list(self.inflight):
+                self._wait(other)
+            handle = self.store.swap_in([key], for_gather=True)
+        if handle is None:
+            return False
+        self.ssd_reads[c] = handle
+        return True
 
     def _issue(self, c: int) -> None:
         chunk = self.chunks[c]
         chunk.allocate_full()
         src = chunk.param_shard
         if "param" in chunk.swapped:
-            self._read_ahead(c)
+            self._read_ahead(c, optional=False)
             (src,) = self.ssd_reads.pop(c).wait()
             self.staged[c] = src
         if src.device != chunk.full.device:
@@ -231,7 +244,8 @@ class ParamCoordinator:
             if chunk.gathered or c in self.inflight:
                 continue
             if not gathering:
-                self._read_ahead(c)
+                if not self._read_ahead(c):
+                    return  # staging reserve full: read the rest when gathers release buffers
             elif self.live_numel + chunk.plan.padded > self.max_live:
                 gathering, budget = False, self.prefetch_numel
             else:

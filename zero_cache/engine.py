@@ -21,15 +21,17 @@ import torch.distributed as dist
 from torch import nn
 
 from . import checkpoint as ckpt
-from .builder import build_chunk
-from .comm import Comm, CommProfiler, group_all_reduce
+from .builder import ParamInit, build_chunk
+from .comm import Comm, CommProfiler, CommStepStats, group_all_reduce
+from .comm_theory import zero_step_theory
 from .config import ConfigError, ZeroCacheConfig, parse_config
 from .coordinator import ParamCoordinator
 from .grad_reducer import GradReducer
+from .host_memory import return_large_frees_to_os
 from .loss_scaler import LossScaler
 from .optimizer import GroupHParams, ShardedAdam
 from .partition import FlatChunk, plan_chunks, plan_sub_groups
-from .placement import machine_budgets, place_sub_groups
+from .placement import machine_budgets, place_states
 from .ssd_store import SSDStore
 from .store import HOST, NVME, DeviceHostStore, MemoryReport, ShardStore
 
@@ -52,7 +54,9 @@ class ZeroEngine:
     def __init__(self, model: nn.Module, cfg: ZeroCacheConfig, *, dp_group=None, model_parallel_group=None,
                  param_in_grad_norm: Callable[[nn.Parameter], bool] | None = None,
                  tied_param_groups: Iterable[tuple[nn.Parameter, object]] | None = None,
-                 param_groups: list[dict] | None = None, store: ShardStore | None = None):
+                 param_groups: list[dict] | None = None, store: ShardStore | None = None,
+                 param_init: ParamInit | None = None):
+        return_large_frees_to_os()  # host memory must stay within the accounted budget
         self.module = model
         self.config = cfg
         self.dp_group = dp_group
@@ -65,6 +69,9 @@ class ZeroEngine:
         if not managed:
             raise ValueError("zero_cache.initialize: the model has no parameters that require grad")
         self.device = managed[0][1].device
+        if self.device.type == "meta":
+            raise ValueError("zero_cache.initialize: the model is on the meta device; call "
+                             "zero_cache.storage_less_parameters(model, device) first and pass param_init")
         hp = cfg.optimizer.params
         self.groups, group_of = _param_groups(managed, param_groups, hp.weight_decay)
         tied = list(tied_param_groups or [])
@@ -73,20 +80,24 @@ class ZeroEngine:
                                  isolated={id(p) for p, _ in tied})
         self.sub_groups = plan_sub_groups(self.plans, z.sub_group_size)
         self.budgets = machine_budgets(cfg, self.device)
-        tiers, staging = place_sub_groups(self.plans, self.sub_groups, cfg, self.dtype, self.device, self.budgets)
+        placed = place_states(self.plans, self.sub_groups, cfg, self.dtype, self.device, self.budgets)
+        tiers = placed.opt_tiers
         pin = z.offload_param.pin_memory or z.offload_optimizer.pin_memory
         params_on_ssd = z.offload_param.device == "nvme" and z.stage == 3
         if store is None and (NVME in tiers or params_on_ssd):
             path = z.offload_optimizer.nvme_path if NVME in tiers else z.offload_param.nvme_path
             store = SSDStore(self.device, path, cfg.aio, rank=_global_rank(), pin_host=pin,
-                             budgets=self.budgets, staging_bytes=staging)
+                             budgets=self.budgets, staging_bytes=placed.opt_staging,
+                             param_staging_bytes=placed.param_staging)
         self.store = store or DeviceHostStore(self.device, pin_host=pin, budgets=self.budgets)
         with torch.no_grad():
             self.chunks: list[FlatChunk] = [build_chunk(p, tiers[p.index], self.store, self.comm, cfg, self.dtype,
-                                                        self.device) for p in self.plans]
+                                                        self.device, param_init, p.index in placed.grad_on_ssd)
+                                            for p in self.plans]
         chunk_of = {id(s.param): c.index for c in self.chunks for s in c.plan.slots}
         self._norm_ranges = _norm_ranges(self.chunks, param_in_grad_norm)
         self._callback_task = None
+        self._backward_passes = 0  # this step's (the micro-batches actually run, for the comm theory)
         self.coordinator = None
         if any(not c.plan.resident for c in self.chunks):
             self.coordinator = ParamCoordinator(self.chunks, self.comm, z, self._on_backward_activity, self.store)
@@ -95,7 +106,8 @@ class ZeroEngine:
             self.chunks, self.comm, self.store, mode="full" if z.stage == 1 else "shard",
             max_events=z.max_param_reduce_events, tied_groups={chunk_of[id(p)]: g for p, g in tied},
             on_backward_activity=self._on_backward_activity,
-            on_chunk_done=self.coordinator.maybe_release if self.coordinator else None)
+            on_chunk_done=self.coordinator.maybe_release if self.coordinator else None,
+            norm_ranges=self._norm_ranges)
         self.optimizer = ShardedAdam(self.chunks, self.sub_groups, self.groups, lr=hp.lr, betas=hp.betas,
                                      eps=hp.eps, decoupled=cfg.optimizer.type == "AdamW",
                                      pipeline=z.pipeline_optimizer, store=self.store)
@@ -146,6 +158,7 @@ class ZeroEngine:
 
     def _end_backward(self) -> None:
         self._callback_task = None
+        self._backward_passes += 1
         self.reducer.end_backward()
         if self.coordinator is not None:
             self.coordinator.release_idle()
@@ -163,13 +176,16 @@ class ZeroEngine:
         scale = self.scaler.scale
         sq, overflow = self._global_norm_sq_and_overflow()
         grad_norm = math.sqrt(sq) / scale if not overflow else float("inf")
+        refreshes = 0  # all-gathers of the resident chunks below, for the communication theory
         if not overflow:
             clip = self.config.gradient_clipping
             coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
             if self._update_thread is None:
                 self.optimizer.step(grad_scale=scale / coef)
                 self.refresh_resident_params()
+                refreshes = 1
             else:
+                refreshes = int(self._pending_update is not None)  # publish_update gathers only then
                 self.publish_update()  # step t-1's update becomes visible to step t+1
                 for c in self.chunks:  # step t's gradients are applied in the background
                     c.grad, c.grad_spare = c.grad_spare, c.grad
@@ -177,14 +193,19 @@ class ZeroEngine:
             self.global_steps += 1
         if overflow:
             self.optimizer.drop_read_ahead()
-        for c in self.chunks:
-            c.grad.zero_()
+        self.reducer.new_step()
         self.scaler.update(overflow)
         if overflow:
             logger.warning("zero_cache: gradient overflow, step skipped; loss scale %s -> %s", scale,
                            self.scaler.scale)
-        if self.profiler.enabled and (self.global_steps % self.config.steps_per_print == 0 or overflow):
-            logger.info("zero_cache comm step %d: %s", self.global_steps, self.profiler.summary_and_reset())
+        if self.profiler.enabled:
+            comm = self.profiler.end_step(zero_step_theory(
+                self.plans, stage=self.config.zero_optimization.stage, element_size=self.dtype.itemsize,
+                dp_size=self.comm.size, micro_batches=self._backward_passes, param_updates=refreshes))
+            if self.global_steps % self.config.steps_per_print == 0 or overflow:
+                logger.info("zero_cache comm step %d: %s", self.global_steps, comm.line())
+                self.profiler.events.clear()  # the ordered trace spans one print interval
+        self._backward_passes = 0
         if self.global_steps % self.config.steps_per_print == 0 and not overflow:
             swap = f"{self.optimizer.last_swap}; " if self.optimizer.last_swap is not None else ""
             logger.info("zero_cache step %d: %s%s", self.global_steps, swap, self.memory_report())
@@ -192,13 +213,8 @@ class ZeroEngine:
 
     def _global_norm_sq_and_overflow(self) -> tuple[float, bool]:
         stats = torch.zeros(2, dtype=torch.float64, device=self.device)  # [sum of squares, non-finite count]
-        for c, ranges in zip(self.chunks, self._norm_ranges):
-            parts = [c.grad] if ranges is None else [c.grad[a:b] for a, b in ranges]
-            local = torch.zeros(2, dtype=torch.float64, device=c.grad.device)
-            for t in parts:
-                local[0] += torch.linalg.vector_norm(t, dtype=torch.float32).double() ** 2
-            local[1] = (~torch.isfinite(c.grad)).any().double()
-            stats += local.to(self.device)
+        for c in range(len(self.chunks)):
+            stats += self.reducer.shard_norm_stats(c).to(self.device)
         self.comm.all_reduce(stats, tag="grad_norm")
         group_all_reduce(stats, self.model_parallel_group)
         sq, bad = stats.tolist()
@@ -236,21 +252,33 @@ class ZeroEngine:
         """SSD traffic and measured overlap of the last optimizer step (None without SSD-tier states)."""
         return self.optimizer.last_swap
 
-    def state_tensor(self, chunk: FlatChunk, name: str) -> torch.Tensor:
-        """Chunk ``chunk``'s state ``name`` (param, master, exp_avg, exp_avg_sq) wherever it lives (SSD: a host copy)."""
-        if name == "master" and chunk.master_in_param:
-            name = "param"
-        if name in chunk.swapped:
-            return self.store.read(chunk.state_key(name))
-        return chunk.param_shard if name == "param" else getattr(chunk, name)
+    @property
+    def last_comm_stats(self) -> CommStepStats | None:
+        """The last step's collectives next to the ZeRO theory (None unless is_communication_time_profiling)."""
+        return self.profiler.last_step
 
-    def set_state_tensor(self, chunk: FlatChunk, name: str, value: torch.Tensor) -> None:
+    def state_tensor(self, chunk: FlatChunk, name: str, lo: int = 0, hi: int | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements [lo, hi) of chunk ``chunk``'s state ``name`` (param, master, exp_avg, exp_avg_sq).
+
+        Device/host tiers: a view of the live tensor, or a copy into ``out``. SSD: read into ``out`` (else a
+        new host tensor) in aligned pieces, never the whole shard at once."""
         if name == "master" and chunk.master_in_param:
             name = "param"
         if name in chunk.swapped:
-            self.store.put(chunk.state_key(name), value)
+            return self.store.read_range(chunk.state_key(name), lo, chunk.plan.shard if hi is None else hi, out)
+        t = (chunk.param_shard if name == "param" else getattr(chunk, name))[lo:hi]
+        return t if out is None else out.copy_(t)
+
+    def set_state_tensor(self, chunk: FlatChunk, name: str, value: torch.Tensor, lo: int = 0) -> None:
+        """Copy ``value`` into elements [lo, lo + value.numel()) of the state, in its tier (done on return)."""
+        if name == "master" and chunk.master_in_param:
+            name = "param"
+        if name in chunk.swapped:
+            self.store.write_range(chunk.state_key(name), lo, value)
         else:
-            (chunk.param_shard if name == "param" else getattr(chunk, name)).copy_(value)
+            (chunk.param_shard if name == "param" else getattr(chunk, name))[lo:lo + value.numel()].copy_(
+                value.reshape(-1))
 
     def publish_update(self) -> None:
         """Lock-free update: wait for the background update and copy its parameters in (no-op otherwise)."""
@@ -369,7 +397,7 @@ def _norm_ranges(chunks: list[FlatChunk], counts: Callable[[nn.Parameter], bool]
 def initialize(model: nn.Module, config: dict | str | ZeroCacheConfig, dp_group=None, model_parallel_group=None,
                param_in_grad_norm: Callable[[nn.Parameter], bool] | None = None,
                tied_param_groups: Iterable[tuple[nn.Parameter, object]] | None = None,
-               param_groups: list[dict] | None = None) -> ZeroEngine:
+               param_groups: list[dict] | None = None, param_init: ParamInit | None = None) -> ZeroEngine:
     """Wrap ``model`` (already on its compute device) in a ZeRO engine.
 
     dp_group: data-parallel group the states are sharded over (default: the world, or none at all).
@@ -377,6 +405,8 @@ def initialize(model: nn.Module, config: dict | str | ZeroCacheConfig, dp_group=
     param_in_grad_norm(param): whether this rank counts ``param`` in the global norm (skip duplicates).
     tied_param_groups: (param, group) pairs whose gradients are summed across ``group`` before the step.
     param_groups: optional [{'params': [...], 'weight_decay': x}] (default: one group, config's decay).
+    param_init(name, param): initial values of parameters without storage (a model too big to build: see
+        lazy_init.py); called one chunk at a time so the full model never exists in memory.
     """
     if dp_group is not None and not dist.is_initialized():
         raise ConfigError("zero_cache.initialize: dp_group given but torch.distributed is not initialised")
@@ -384,4 +414,4 @@ def initialize(model: nn.Module, config: dict | str | ZeroCacheConfig, dp_group=
     cfg = parse_config(config, dp)
     return ZeroEngine(model, cfg, dp_group=dp_group, model_parallel_group=model_parallel_group,
                       param_in_grad_norm=param_in_grad_norm, tied_param_groups=tied_param_groups,
-                      param_groups=param_groups)
+                      param_groups=param_groups, param_init=param_init)

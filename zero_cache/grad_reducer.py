@@ -14,11 +14,17 @@ buffer and drops ``param.grad``. Two accumulation modes (see the zero_cache sect
 The end of every backward pass (an autograd final callback) flushes chunks with only part of their
 gradients (unused parameters), waits for the in-flight reductions and lets the coordinator release
 gathered chunks. Every backward pass is self-contained, so 1F1B interleaving of micro-batches is fine.
+
+Gradient shards on SSD (placement puts them there when the host cannot hold them): the first reduction of
+a step writes ``result / N`` into a staging buffer and on to the page file (asynchronously, one write in
+flight); later micro-batches read, add and write. The norm statistics of each shard are taken while it is
+in memory, so the step never reads gradients just to compute the norm; the optimizer reads them with the
+other states. A shard that got no gradient in a step is written as zeros before the step.
 """
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -28,10 +34,28 @@ from .partition import FlatChunk, ParamSlot
 from .store import DEVICE, ShardStore
 
 
+NormRanges = Sequence[tuple[int, int]] | None  # shard ranges counted in the global norm (None: all)
+
+
+def norm_stats(grad: torch.Tensor, ranges: NormRanges) -> torch.Tensor:
+    """[sum of squares over ``ranges``, 1 if any element is non-finite] (float64, on the grad's device).
+
+    A non-finite element makes the sum non-finite, so only a shard with ranges outside the norm needs its
+    own scan for the overflow flag."""
+    out = torch.zeros(2, dtype=torch.float64, device=grad.device)
+    if ranges is None:
+        out[0] = torch.linalg.vector_norm(grad, dtype=torch.float32).double() ** 2
+        return out
+    for a, b in ranges:
+        out[0] += torch.linalg.vector_norm(grad[a:b], dtype=torch.float32).double() ** 2
+    out[1] = (~torch.isfinite(grad)).any().double()
+    return out
+
+
 class GradReducer:
     def __init__(self, chunks: list[FlatChunk], comm: Comm, store: ShardStore, *, mode: str, max_events: int,
                  tied_groups: dict[int, object], on_backward_activity: Callable[[], None],
-                 on_chunk_done: Callable[[int], None] | None):
+                 on_chunk_done: Callable[[int], None] | None, norm_ranges: list[NormRanges]):
         if mode not in ("shard", "full"):
             raise ValueError(f"gradient accumulation mode must be 'shard' or 'full', got {mode!r}")
         self.chunks = chunks
@@ -45,6 +69,12 @@ class GradReducer:
         self.expected = [len(c.plan.slots) for c in chunks]
         self.fired = [0] * len(chunks)
         self.buffers: dict[int, torch.Tensor] = {}
+        self.written: dict[int, set[int]] = {}  # shard mode: slots of a fresh buffer that hold a gradient
+        self.norm_ranges = norm_ranges
+        self.on_ssd = ["grad" in c.swapped for c in chunks]
+        self.fresh = [True] * len(chunks)  # SSD shard not written this step (its file holds stale values)
+        self.ssd_stats: dict[int, torch.Tensor] = {}  # SSD shard -> norm_stats of its accumulated value
+        self.ssd_writes: deque = deque()
         self.pending: deque = deque()
         self._hooks = []
         for c in chunks:
@@ -58,8 +88,9 @@ class GradReducer:
             chunk = self.chunks[c]
             if self.mode == "full":
                 buf = self.store.allocate(f"c{c}.full_grad", "grads", DEVICE, chunk.plan.padded, torch.float32)
-            else:
-                buf = torch.zeros(chunk.plan.padded, dtype=chunk.full.dtype, device=chunk.full.device)
+            else:  # not zeroed: the first gradient of a slot is copied in, the rest zeroed before reducing
+                buf = torch.empty(chunk.plan.padded, dtype=chunk.full.dtype, device=chunk.full.device)
+                self.written[c] = set()
             self.buffers[c] = buf
         return buf
 
@@ -67,7 +98,13 @@ class GradReducer:
         self.on_backward_activity()
         grad = param.grad
         param.grad = None
-        self._buffer(c)[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
+        region = self._buffer(c)[slot.offset:slot.offset + slot.numel]
+        written = self.written.get(c)
+        if written is None or slot.offset in written:
+            region.add_(grad.reshape(-1))
+        else:
+            region.copy_(grad.reshape(-1))
+            written.add(slot.offset)
         self.fired[c] += 1
         if self.fired[c] == self.expected[c]:
             if self.mode == "shard":
@@ -77,6 +114,12 @@ class GradReducer:
 
     def _reduce(self, c: int) -> None:
         buf = self.buffers.pop(c)
+        written = self.written.pop(c)
+        plan = self.chunks[c].plan
+        buf[plan.numel:].zero_()  # padding
+        for s in plan.slots:  # parameters without a gradient in this pass (a partial flush)
+            if s.offset not in written:
+                buf[s.offset:s.offset + s.numel].zero_()
         out = torch.empty(self.chunks[c].plan.shard, dtype=buf.dtype, device=buf.device)
         handle = self.comm.reduce_scatter(out, buf, tag=f"chunk{c}", async_op=True)
         self.pending.append((c, handle, out, buf))
@@ -86,8 +129,34 @@ class GradReducer:
     def _finish(self) -> None:
         c, handle, out, _buf = self.pending.popleft()
         handle.wait()
-        grad = self.chunks[c].grad
-        grad.add_(out.to(device=grad.device, dtype=torch.float32), alpha=1.0 / self.comm.size)
+        self._accumulate(c, out, 1.0 / self.comm.size)
+
+    def _accumulate(self, c: int, value: torch.Tensor, scale: float) -> None:
+        """Add ``value * scale`` into chunk ``c``'s fp32 gradient shard, wherever it lives."""
+        chunk = self.chunks[c]
+        if not self.on_ssd[c]:
+            chunk.grad.add_(value.to(device=chunk.grad.device, dtype=torch.float32), alpha=scale)
+            return
+        key = chunk.state_key("grad")
+        value = value.to(device="cpu", dtype=torch.float32)
+        if self.fresh[c]:
+            (grad,) = self.store.staging([key])
+            torch.mul(value, scale, out=grad)
+        else:
+            (grad,) = self.store.swap_in([key]).wait()
+            grad.add_(value, alpha=scale)
+        self._write_ssd_grad(c, grad)
+
+    def _write_ssd_grad(self, c: int, grad: torch.Tensor) -> None:
+        self.fresh[c] = False
+        self.ssd_stats[c] = norm_stats(grad, self.norm_ranges[c])
+        self.ssd_writes.append(self.store.swap_out([self.chunks[c].state_key("grad")], [grad]))
+        while len(self.ssd_writes) > 1:  # one write in flight behind the next reduction
+            self.ssd_writes.popleft().wait()
+
+    def _drain_ssd_writes(self) -> None:
+        while self.ssd_writes:
+            self.ssd_writes.popleft().wait()
 
     def end_backward(self) -> None:
         """Autograd final callback: reduce partially-filled chunks (in chunk order) and drain."""
@@ -96,6 +165,7 @@ class GradReducer:
                 self._reduce(c)
         while self.pending:
             self._finish()
+        self._drain_ssd_writes()  # a later micro-batch may read these shards back
         self.fired = [0] * len(self.chunks)
 
     def end_step(self) -> None:
@@ -106,8 +176,34 @@ class GradReducer:
                 buf = self.buffers[c]
                 out = torch.empty(self.chunks[c].plan.shard, dtype=torch.float32, device=buf.device)
                 self.comm.reduce_scatter(out, buf, tag=f"chunk{c}")
-                grad = self.chunks[c].grad
-                grad.add_(out.to(grad.device), alpha=1.0 / self.comm.size)
+                self._accumulate(c, out, 1.0 / self.comm.size)
                 buf.zero_()
+        for c in range(len(self.chunks)):  # SSD shards without a gradient this step hold last step's values
+            if self.on_ssd[c] and self.fresh[c]:
+                (grad,) = self.store.staging([self.chunks[c].state_key("grad")])
+                self._write_ssd_grad(c, grad.zero_())
+        self._drain_ssd_writes()
         for c, group in self.tied_groups.items():
-            group_all_reduce(self.chunks[c].grad, group, device=self.chunks[c].full.device)
+            if not self.on_ssd[c]:
+                group_all_reduce(self.chunks[c].grad, group, device=self.chunks[c].full.device)
+                continue
+            key = self.chunks[c].state_key("grad")
+            (grad,) = self.store.swap_in([key]).wait()
+            group_all_reduce(grad, group, device=self.chunks[c].full.device)
+            self._write_ssd_grad(c, grad)
+        self._drain_ssd_writes()
+
+    def shard_norm_stats(self, c: int) -> torch.Tensor:
+        """norm_stats of chunk ``c``'s accumulated gradient shard (SSD shards: taken when last written)."""
+        if self.on_ssd[c]:
+            return self.ssd_stats[c]
+        return norm_stats(self.chunks[c].grad, self.norm_ranges[c])
+
+    def new_step(self) -> None:
+        """The step consumed (or discarded) the gradients: host shards are zeroed, SSD shards overwritten."""
+        for c, chunk in enumerate(self.chunks):
+            if self.on_ssd[c]:
+                self.fresh[c] = True
+            else:
+                chunk.grad.zero_()
+        self.ssd_stats.clear()

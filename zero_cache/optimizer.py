@@ -7,7 +7,8 @@ kernel's ``grad_scale``. With ``pipeline_optimizer`` the write-back of sub-group
 compute-dtype parameter shard, possibly host -> device) runs on a worker thread while sub-group i+1
 is updated.
 
-Sub-groups whose states live on the SSD tier are swapped in, updated and swapped out. With
+Sub-groups whose states live on the SSD tier are swapped in, updated and swapped out (a gradient shard
+on SSD is read with them and dropped). With
 ``pipeline_optimizer`` this is a three-stage pipeline on the store's I/O threads: while sub-group i is
 updated, i+1 is being read (read-ahead) and i-1 written back; at most three sub-groups' staging buffers
 exist at once. Without it each sub-group is read, updated and written in turn. ``last_swap`` reports the
@@ -128,10 +129,13 @@ class ShardedAdam:
                         self.store.put(c.state_key("param"), c.master)
                 if self.swapped[k]:
                     _write_back(todo)  # before the master's staging buffer is handed back
-                    tensors = [_get(c, name) for c, name in pairs]
+                    # Gradient shards on SSD are consumed, not written back (the next step overwrites them).
+                    dirty = [(c, name) for c, name in pairs if name != "grad"]
+                    tensors = [_get(c, name) for c, name in dirty]
+                    self.store.release([c.grad for c, name in pairs if name == "grad"])
                     for c, name in pairs:
                         _set(c, name, None)
-                    writes.append(self.store.swap_out([c.state_key(nm) for c, nm in pairs], tensors))
+                    writes.append(self.store.swap_out([c.state_key(nm) for c, nm in dirty], tensors))
                     while len(writes) > (1 if self.pipeline else 0):  # write-back of i-1 overlaps i
                         w = writes.pop(0)
                         w.wait()

@@ -151,5 +151,6 @@ class FlatChunk:
         return self.master_in_param
 
     def opt_swapped(self) -> list[str]:
-        """SSD states the optimizer reads and writes (a bf16/fp16 parameter shard is only written)."""
+        """SSD states the optimizer reads (and writes back, except a gradient shard; a bf16/fp16 parameter
+        shard is only written)."""
         return [n for n in self.swapped if n != "param" or self.master_in_param]

@@ -1,7 +1,7 @@
 """Where every shard lives: one byte budget per tier (device, host, SSD) and the sub-group placement.
 
 ``chunk_layout`` is the single source of the placement rules (which states a chunk has and their tiers;
-see builder.py); ``place_sub_groups`` uses it to put optimizer sub-groups in tiers:
+see builder.py); ``place_states`` uses it to put optimizer sub-groups in tiers:
 
 - the first ``prefetch_cache_sub_group_rate`` share of sub-groups keeps its states on the device;
 - with ``offload_optimizer.device = cpu`` the rest go to the host while the host budget holds (states
@@ -9,12 +9,14 @@ see builder.py); ``place_sub_groups`` uses it to put optimizer sub-groups in tie
   (page files under ``offload_optimizer.nvme_path``); the host budget also covers the SSD staging buffers
   (three sub-groups with ``pipeline_optimizer``, one without, plus the parameter read-ahead window when
   ``offload_param.device = nvme``);
-- with ``offload_optimizer.device = nvme`` the rest go to SSD.
+- with ``offload_optimizer.device = nvme`` the rest go to SSD;
+- if the host still cannot hold the gradient shards of the SSD sub-groups, those become page files too.
 
-Budgets (``zero_optimization.memory_budget``, bytes, -1 = derived from the machine): device = 90% of free
-accelerator memory (on a CPU-only machine the compute device is host memory, accounted separately: 45%
-of available memory), host = 90% of available memory (45% without an accelerator), nvme = 95% of the
-free space under nvme_path. A placement that cannot fit is one error naming the bytes and the budget.
+Budgets (``zero_optimization.memory_budget``, bytes, -1 = derived from the machine, split evenly between
+the ranks of this node, ``LOCAL_WORLD_SIZE``): device = 90% of free accelerator memory (on a CPU-only
+machine the compute device is host memory, accounted separately: 45% of available memory), host = 90% of
+available memory (45% without an accelerator), nvme = 95% of the free space under nvme_path. A placement
+that cannot fit is one error naming the bytes and the budget.
 """
 from __future__ import annotations
 
@@ -41,12 +43,13 @@ class StateSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
 
 def chunk_layout(plan: ChunkPlan, opt_tier: str, cfg: ZeroCacheConfig, dtype: torch.dtype,
-                 device: torch.device) -> list[StateSpec]:
-    """Every persistent state of one chunk, with its tier, for a given optimizer tier."""
+                 device: torch.device, grad_on_ssd: bool = False) -> list[StateSpec]:
+    """Every persistent state of one chunk, with its tier, for a given optimizer tier (``grad_on_ssd``: the
+    gradient shard of an SSD sub-group is a page file too, see grad_reducer.py)."""
     fp32 = dtype == torch.float32
     on_ssd = opt_tier == NVME
     cpu_compute = device.type == "cpu"
@@ -64,7 +67,7 @@ def chunk_layout(plan: ChunkPlan, opt_tier: str, cfg: ZeroCacheConfig, dtype: to
     lock_free = cfg.zero_optimization.lock_free_update
     if lock_free or not (fp32 and (param_tier == opt_tier or (on_ssd and param_on_cpu))):
         specs.append(StateSpec("master", "optimizer", opt_tier, plan.shard, torch.float32))  # else param = master
-    grad_tier = HOST if on_ssd else opt_tier
+    grad_tier = (NVME if grad_on_ssd else HOST) if on_ssd else opt_tier
     specs.append(StateSpec("grad", "grads", grad_tier, plan.shard, torch.float32))
     if lock_free:  # the next step's gradients, and the updated parameters waiting to be published
         specs.append(StateSpec("grad_spare", "grads", grad_tier, plan.shard, torch.float32))
@@ -77,7 +80,8 @@ def chunk_layout(plan: ChunkPlan, opt_tier: str, cfg: ZeroCacheConfig, dtype: to
 def machine_budgets(cfg: ZeroCacheConfig, device: torch.device) -> dict[str, int]:
     """The configured budgets, with -1 replaced by the machine-derived defaults."""
     b = cfg.zero_optimization.memory_budget
-    available = psutil.virtual_memory().available
+    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # ranks sharing this machine
+    available = psutil.virtual_memory().available // local_ranks
     accel = device.type == "cuda" and torch.cuda.is_available()
     out = {}
     if b.device >= 0:
@@ -93,7 +97,7 @@ def machine_budgets(cfg: ZeroCacheConfig, device: torch.device) -> dict[str, int
         path = cfg.zero_optimization.offload_optimizer.nvme_path
         while path and not os.path.isdir(path):  # the swap directory is created later; use its nearest parent
             path = os.path.dirname(path.rstrip("/")) if path not in ("/", "") else ""
-        out[NVME] = int(0.95 * psutil.disk_usage(path or "/").free)
+        out[NVME] = int(0.95 * psutil.disk_usage(path or "/").free) // local_ranks
     return out
 
 
@@ -127,10 +131,31 @@ def tier_bytes(layouts: list[list[StateSpec]]) -> dict[str, int]:
     return out
 
 
-def place_sub_groups(plans: list[ChunkPlan], sub_groups: list[list[int]], cfg: ZeroCacheConfig,
-                     dtype: torch.dtype, device: torch.device, budgets: dict[str, int]) -> tuple[list[str], int]:
-    """Optimizer tier of every chunk, and the host bytes reserved for SSD staging buffers (optimizer
-    sub-groups and parameter read-ahead)."""
+@dataclass(frozen=True)
+class Placement:
+    opt_tiers: list[str]  # optimizer tier of every chunk
+    grad_on_ssd: set[int]  # chunks whose gradient shard is an SSD page file
+    layouts: list[list[StateSpec]]
+    opt_staging: int  # host bytes reserved for the optimizer's (and gradients') SSD staging buffers
+    param_staging: int  # host bytes reserved for parameter shards read from SSD for gathers
+
+    @property
+    def staging(self) -> int:
+        return self.opt_staging + self.param_staging
+
+    @property
+    def tier_bytes(self) -> dict[str, int]:
+        return tier_bytes(self.layouts)
+
+
+def place_states(plans: list[ChunkPlan], sub_groups: list[list[int]], cfg: ZeroCacheConfig, dtype: torch.dtype,
+                 device: torch.device, budgets: dict[str, int]) -> Placement:
+    """Where every state of every chunk lives under the budgets, and the host bytes reserved for SSD staging
+    buffers (optimizer sub-groups and parameter read-ahead).
+
+    Beyond the host budget the last host sub-groups spill to SSD one at a time; if the host still does not
+    hold the gradient shards of the SSD sub-groups (4 B/param/N), they become page files too, from the
+    last sub-group backwards (not with lock_free_update, whose background step reads them)."""
     z = cfg.zero_optimization
     n = len(sub_groups)
     base = [DEVICE] * n
@@ -139,28 +164,42 @@ def place_sub_groups(plans: list[ChunkPlan], sub_groups: list[list[int]], cfg: Z
         away = HOST if z.offload_optimizer.device == "cpu" else NVME
         base = [DEVICE if k < cached else away for k in range(n)]
 
-    def layout_for(sg_tiers: list[str]):
+    def layout_for(sg_tiers: list[str], grad_ssd_groups: set[int]) -> Placement:
         tiers = [DEVICE] * len(plans)
+        grad_ssd = set()
         for k, sg in enumerate(sub_groups):
             for i in sg:
                 tiers[i] = sg_tiers[k]
-        layouts = [chunk_layout(p, tiers[p.index], cfg, dtype, device) for p in plans]
-        return tiers, layouts, (staging_bytes(layouts, sub_groups, z.pipeline_optimizer)
-                                + param_staging_bytes(plans, layouts, cfg))
+                if k in grad_ssd_groups and not plans[i].resident:
+                    grad_ssd.add(i)
+        layouts = [chunk_layout(p, tiers[p.index], cfg, dtype, device, p.index in grad_ssd) for p in plans]
+        return Placement(tiers, grad_ssd, layouts, staging_bytes(layouts, sub_groups, z.pipeline_optimizer),
+                         param_staging_bytes(plans, layouts, cfg))
 
-    tiers, layouts, staging = layout_for(base)
-    used = tier_bytes(layouts)
-    if used[HOST] + staging > budgets[HOST] and HOST in base:
-        # Spill the last host sub-groups to SSD, one at a time, until the host budget holds.
-        sg_tiers = list(base)
-        for k in reversed(range(n)):
-            if sg_tiers[k] != HOST:
-                continue
-            sg_tiers[k] = NVME
-            tiers, layouts, staging = layout_for(sg_tiers)
-            used = tier_bytes(layouts)
-            if used[HOST] + staging <= budgets[HOST]:
-                break
+    def fits(pl: Placement) -> bool:
+        return pl.tier_bytes[HOST] + pl.staging <= budgets[HOST]
+
+    def fewest(candidates: list[int], place) -> Placement:
+        """Move the last m candidates, for the smallest m that fits the host budget (bisection: host use
+        falls as m grows); all of them when none fits."""
+        lo, hi = 0, len(candidates)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(place(candidates[len(candidates) - mid:])):
+                hi = mid
+            else:
+                lo = mid + 1
+        return place(candidates[len(candidates) - lo:])
+
+    def spill(moved: list[int]) -> Placement:
+        moved = set(moved)
+        return layout_for([NVME if k in moved else t for k, t in enumerate(base)], set())
+
+    placed = fewest([k for k in range(n) if base[k] == HOST], spill)
+    if not fits(placed) and z.stage > 1 and not z.lock_free_update:
+        sg_tiers = [placed.opt_tiers[sg[0]] for sg in sub_groups]
+        placed = fewest([k for k in range(n) if sg_tiers[k] == NVME], lambda moved: layout_for(sg_tiers, set(moved)))
+    used, staging = placed.tier_bytes, placed.staging
     needs = {DEVICE: used[DEVICE], HOST: used[HOST] + staging, NVME: used[NVME]}
     fixes = {DEVICE: "lower prefetch_cache_sub_group_rate or raise zero_optimization.memory_budget.device",
              HOST: "raise zero_optimization.memory_budget.host, use offload_optimizer.device = 'nvme' or lower "
@@ -170,4 +209,11 @@ def place_sub_groups(plans: list[ChunkPlan], sub_groups: list[list[int]], cfg: Z
         if need > budgets[tier]:
             raise ConfigError(f"zero_cache: model states need {need} bytes on the {tier} tier but its budget is "
                               f"{budgets[tier]} bytes; {fixes[tier]}")
-    return tiers, staging
+    return placed
+
+
+def place_sub_groups(plans: list[ChunkPlan], sub_groups: list[list[int]], cfg: ZeroCacheConfig,
+                     dtype: torch.dtype, device: torch.device, budgets: dict[str, int]) -> tuple[list[str], int]:
+    """(optimizer tier of every chunk, host staging bytes) of ``place_states``."""
+    placed = place_states(plans, sub_groups, cfg, dtype, device, budgets)
+    return placed.opt_tiers, placed.staging

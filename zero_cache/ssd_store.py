@@ -6,6 +6,8 @@ preallocated at ``allocate`` so that a disk too small fails at start-up, not mid
 ``swap_in``s a sub-group's shards into aligned host staging buffers (from a reused ``BufferPool``), updates
 them and ``swap_out``s them; the buffers go back to the pool once written, so host memory used by the SSD
 tier is the staging buffers of the sub-groups in flight (accounted, ``memory_report().swap_buffers_*``).
+Checkpoints read and write element ranges of a shard (``read_range`` / ``write_range``) through one
+``aio.block_size`` buffer of ``transfer_pool``, so saving or loading never holds a whole SSD shard.
 
 The swap directory is removed by ``close()`` (also run at interpreter exit), and directories left by dead
 processes of this host are removed when the next store starts.
@@ -19,9 +21,9 @@ import weakref
 
 import torch
 
-from .aio import AioEngine, AlignedBuffer, BufferPool, PageFile, SSDTierError
+from .aio import ALIGN, AioEngine, AlignedBuffer, BufferPool, PageFile, SSDTierError, spans
 from .config import AioConfig
-from .store import HOST, KINDS, NVME, DeviceHostStore, SwapHandle
+from .store import HOST, KINDS, NVME, DeviceHostStore, SwapHandle, check_range
 
 SWAP_DIR = "zero_cache_swap"
 
@@ -75,12 +77,13 @@ class SSDStore(DeviceHostStore):
     """Device + host tensors and SSD page files behind one ``ShardStore`` interface."""
 
     def __init__(self, device: torch.device, nvme_path: str, aio: AioConfig, rank: int = 0, pin_host: bool = False,
-                 direct_io: bool = True, budgets: dict[str, int] | None = None, staging_bytes: int | None = None):
+                 direct_io: bool = True, budgets: dict[str, int] | None = None, staging_bytes: int | None = None,
+                 param_staging_bytes: int | None = None):
         super().__init__(device, pin_host, budgets)
         self.directory = prepare_swap_dir(nvme_path, rank)
         self.aio = AioEngine(aio)
-        self.pool = BufferPool(staging_bytes)  # optimizer sub-groups (bounded by the reserve)
-        self.param_pool = BufferPool()  # parameter shards read for gathers (accounted, bounded by prefetch)
+        self.pool = BufferPool(staging_bytes)  # optimizer sub-groups and gradient shards (bounded by the reserve)
+        self.param_pool = BufferPool(param_staging_bytes)  # parameter shards read for gathers (bounded too)
         self.direct_io = direct_io
         self._pages: dict[str, PageFile] = {}
         self._ssd_meta: dict[str, tuple[str, torch.dtype, int]] = {}
@@ -130,6 +133,42 @@ class SSDStore(DeviceHostStore):
         self.release([t])
         return out
 
+    def read_range(self, key, lo, hi, out=None):
+        if key not in self._pages:
+            return super().read_range(key, lo, hi, out)
+        page = self._pages[key]
+        check_range(key, lo, hi, page.numel)
+        out = torch.empty(hi - lo, dtype=page.dtype) if out is None else out
+        size = page.itemsize
+        buf = self.transfer_pool.acquire(self.aio.block)
+        try:
+            for start, stop in spans(lo * size, hi * size, buf.capacity):
+                page.read_span(buf, start, stop, self.aio.block)
+                base = start - start % ALIGN
+                src = buf.view(page.dtype, (stop - base) // size)[(start - base) // size:]
+                out[start // size - lo:stop // size - lo].copy_(src)
+        finally:
+            self.transfer_pool.release(buf)
+        return out
+
+    def write_range(self, key, lo, value):
+        if key not in self._pages:
+            return super().write_range(key, lo, value)
+        page = self._pages[key]
+        value = value.reshape(-1)
+        check_range(key, lo, lo + value.numel(), page.numel)
+        size = page.itemsize
+        buf = self.transfer_pool.acquire(self.aio.block)
+        try:
+            for start, stop in spans(lo * size, (lo + value.numel()) * size, buf.capacity):
+                page.fill_edges(buf, start, stop)
+                base = start - start % ALIGN
+                dst = buf.view(page.dtype, (stop - base) // size)[(start - base) // size:]
+                dst.copy_(value[start // size - lo:stop // size - lo])
+                page.write_span(buf, start, stop, self.aio.block)
+        finally:
+            self.transfer_pool.release(buf)
+
     def tier_of(self, key):
         return NVME if key in self._pages else super().tier_of(key)
 
@@ -141,8 +180,10 @@ class SSDStore(DeviceHostStore):
         return out
 
     # ---- swapping ---------------------------------------------------------------------------------------
-    def swap_in(self, keys, for_gather: bool = False):
+    def swap_in(self, keys, for_gather: bool = False, optional: bool = False):
         pool = self.param_pool if for_gather else self.pool
+        if optional and not pool.fits(sum(self._pages[k].capacity for k in keys)):
+            return None
         tensors, futures = [], []
         for key in keys:
             page = self._pages[key]
@@ -152,6 +193,18 @@ class SSDStore(DeviceHostStore):
             tensors.append(t)
             futures.append(self.aio.submit(False, page, buf))
         return SwapHandle(futures, tensors, on_error=lambda: self.release(tensors))
+
+    def staging(self, keys):
+        """Staging buffers for SSD-tier ``keys`` without reading them (their contents are about to be
+        overwritten); ``swap_out`` writes them."""
+        tensors = []
+        for key in keys:
+            page = self._pages[key]
+            buf = self.pool.acquire(page.capacity)
+            t = buf.view(page.dtype, page.numel)
+            self._buffers[id(t)] = (self.pool, buf)
+            tensors.append(t)
+        return tensors
 
     def swap_out(self, keys, tensors):
         futures = []
@@ -166,7 +219,7 @@ class SSDStore(DeviceHostStore):
             pool.release(buf)
 
     def reserved(self, tier):
-        return (self.pool.limit or 0) if tier == HOST else 0
+        return (self.pool.limit or 0) + (self.param_pool.limit or 0) if tier == HOST else 0
 
     def close(self) -> None:
         self._finalizer()

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .aio import BufferPool
+
 KINDS = ("params", "grads", "optimizer")
 DEVICE, HOST, NVME = "device", "host", "nvme"
 TIERS = (DEVICE, HOST, NVME)
@@ -51,6 +53,8 @@ class MemoryReport:
 class ShardStore(ABC):
     """Owner of every persistent model-state tensor; tensors are addressed by a string key."""
 
+    transfer_pool: BufferPool  # aligned host buffers of range transfers (checkpoint slices, SSD pieces), accounted
+
     @abstractmethod
     def allocate(self, key: str, kind: str, tier: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Create a zero-filled flat tensor under ``key`` and return it."""
@@ -75,11 +79,28 @@ class ShardStore(ABC):
         """A host copy of ``key``'s values (works for every tier, SSD included)."""
         return self.get(key).detach().cpu().clone()
 
-    def swap_in(self, keys: list[str], for_gather: bool = False) -> "SwapHandle":
+    @abstractmethod
+    def read_range(self, key: str, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements [lo, hi) of ``key`` copied into ``out`` (a new host tensor when None; dtype converted).
+
+        SSD shards are read in aligned pieces through one ``transfer_pool`` buffer, never whole."""
+
+    @abstractmethod
+    def write_range(self, key: str, lo: int, value: torch.Tensor) -> None:
+        """Copy ``value`` into elements [lo, lo + value.numel()) of ``key`` (dtype converted).
+
+        The copy is complete when this returns, so ``value`` may be freed or unmapped right after."""
+
+    def swap_in(self, keys: list[str], for_gather: bool = False, optional: bool = False) -> "SwapHandle | None":
         """Start reading SSD-tier ``keys`` into host staging buffers; ``wait()`` returns the tensors.
 
-        ``for_gather``: parameter shards read for an all-gather (their own accounted buffer pool)."""
+        ``for_gather``: parameter shards read for an all-gather (their own accounted buffer pool).
+        ``optional``: return None instead of failing when the staging reserve is full (read-ahead)."""
         raise ValueError(f"this store has no SSD tier; shards {keys} cannot be swapped in")
+
+    def staging(self, keys: list[str]) -> list[torch.Tensor]:
+        """Host staging buffers for SSD-tier ``keys`` whose contents will be overwritten (not read)."""
+        raise ValueError(f"this store has no SSD tier; shards {keys} have no staging buffers")
 
     def swap_out(self, keys: list[str], tensors: list[torch.Tensor]) -> "SwapHandle":
         """Start writing swapped-in tensors back to SSD and recycle their buffers once written."""
@@ -91,6 +112,11 @@ class ShardStore(ABC):
 
     def close(self) -> None:
         """Release files and threads (the SSD tier removes its swap directory)."""
+
+
+def check_range(key: str, lo: int, hi: int, numel: int) -> None:
+    if not 0 <= lo <= hi <= numel:
+        raise IndexError(f"shard '{key}' holds {numel} elements; range [{lo}, {hi}) is outside it")
 
 
 class SwapHandle:
@@ -135,6 +161,7 @@ class DeviceHostStore(ShardStore):
         self._tensors: dict[str, torch.Tensor] = {}
         self._meta: dict[str, tuple[str, str]] = {}
         self._tier_bytes = dict.fromkeys(TIERS, 0)
+        self.transfer_pool = BufferPool()
 
     def _charge(self, key: str, tier: str, nbytes: int) -> None:
         """Account ``nbytes`` to ``tier``; refuse (before allocating) what would exceed its budget."""
@@ -172,6 +199,19 @@ class DeviceHostStore(ShardStore):
         if value.numel() != dst.numel():
             raise ValueError(f"shard '{key}' holds {dst.numel()} elements, got {value.numel()}")
         dst.copy_(value.reshape(-1), non_blocking=self.pin_host)
+
+    def read_range(self, key, lo, hi, out=None):
+        src = self._tensors[key]
+        check_range(key, lo, hi, src.numel())
+        if out is None:
+            return src[lo:hi].to("cpu", copy=True)
+        return out.copy_(src[lo:hi])
+
+    def write_range(self, key, lo, value):
+        dst = self._tensors[key]
+        value = value.reshape(-1)
+        check_range(key, lo, lo + value.numel(), dst.numel())
+        dst[lo:lo + value.numel()].copy_(value)  # synchronous: the caller may drop value next
 
     def tier_of(self, key):
         return self._meta[key][1]

@@ -5,12 +5,20 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from .harness import BenchSpec, param_groups
+from .harness import BenchSpec, build_model, param_groups
 
 
 class DeepSpeedTrainer:
-    def __init__(self, model: torch.nn.Module, spec: BenchSpec, gas: int, offload: bool):
+    @staticmethod
+    def build_model(spec: BenchSpec, offload: bool) -> torch.nn.Module:
+        """Under deepspeed.zero.Init (DeepSpeed's way for ZeRO-3): each module is partitioned as it is created."""
         deepspeed.init_distributed(dist_backend="gloo")  # adopts the process group the harness created
+        config = spec.ds_config(dist.get_world_size(), offload)
+        remote = spec.offload_device if offload else None
+        with deepspeed.zero.Init(config_dict_or_path=config, remote_device=remote, pin_memory=False):
+            return build_model(spec)
+
+    def __init__(self, model: torch.nn.Module, spec: BenchSpec, gas: int, offload: bool):
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, spec.weight_decay),
                                                config=spec.ds_config(dist.get_world_size(), offload))
         # DeepSpeed's rule for a parameter used outside its module's forward (the tied output head).

@@ -42,6 +42,12 @@ class BenchSpec:
     seed: int
     page_size: int  # zero_cache's chunk size (allgather_bucket_size); DeepSpeed ignores the key in stage 3
     threads: int  # intra-op threads per rank
+    # Max-scale runs (benchmarks/max_scale.py): where offloaded states go, and the model's shape switches.
+    offload_device: str = "cpu"  # cpu | nvme (used when a system offloads)
+    nvme_path: str = ""
+    sub_group_size: int = 1_000_000_000
+    untie_embeddings: bool = False
+    recompute: bool = False
 
     @classmethod
     def load(cls, path: str) -> "BenchSpec":
@@ -60,10 +66,13 @@ class BenchSpec:
 
     def ds_config(self, world: int, offload: bool) -> dict:
         """The one DeepSpeed-style JSON both ZeRO-3 engines (ours and DeepSpeed) are given; stage3_* at defaults."""
-        zero: dict = {"stage": 3, "allgather_bucket_size": self.page_size}
+        zero: dict = {"stage": 3, "allgather_bucket_size": self.page_size, "sub_group_size": self.sub_group_size}
         if offload:
-            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
-            zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+            where = {"device": self.offload_device, "pin_memory": False}
+            if self.offload_device == "nvme":
+                where["nvme_path"] = self.nvme_path
+            zero["offload_optimizer"] = dict(where)
+            zero["offload_param"] = dict(where)
         return {
             "train_batch_size": self.global_batch,
             "train_micro_batch_size_per_gpu": self.micro_batch,
@@ -90,15 +99,20 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_model(spec: BenchSpec) -> torch.nn.Module:
-    """Our GPTModel on one tensor/pipeline rank; every rank builds the same weights (seeded by name)."""
+    """Our GPTModel on one tensor/pipeline rank; every rank builds the same weights (seeded by name).
+
+    A system that builds the model its own way (sharded while it is created) wraps this call."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer_config import TransformerConfig
     from megatron.model.gpt_model import GPTModel
 
-    ps.initialize_model_parallel(1, 1, timeout=COLLECTIVE_TIMEOUT)
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1, timeout=COLLECTIVE_TIMEOUT)
     cfg = TransformerConfig(num_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
                             seq_length=spec.seq, padded_vocab_size=spec.vocab, hidden_dropout=0.0,
-                            attention_dropout=0.0, seed=spec.seed)
+                            attention_dropout=0.0, seed=spec.seed,
+                            untie_embeddings_and_output_weights=spec.untie_embeddings,
+                            recompute_granularity="full" if spec.recompute else None)
     return GPTModel(cfg)
 
 
@@ -134,14 +148,14 @@ class PeakRss:
 
 
 def run(spec: BenchSpec, system: str, make_trainer: Callable[[torch.nn.Module, BenchSpec, int], Trainer],
-        out_dir: str, rss: PeakRss) -> None:
+        out_dir: str, rss: PeakRss, build: Callable[[BenchSpec], torch.nn.Module] = build_model) -> None:
     """Build, train warm-up + timed steps, write ``result_rank{r}.json`` (step times and losses on every rank)."""
     dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
     torch.set_num_threads(spec.threads)
     rank, world = dist.get_rank(), dist.get_world_size()
     gas = spec.grad_accumulation(world)
     start = time.perf_counter()
-    model = build_model(spec)
+    model = build(spec)
     trainer = make_trainer(model, spec, gas)
     setup_s = time.perf_counter() - start
     tokens = synthetic_tokens(spec)

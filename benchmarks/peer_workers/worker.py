@@ -12,7 +12,7 @@ import importlib
 import os
 import traceback
 
-from .harness import BenchSpec, PeakRss, run
+from .harness import BenchSpec, PeakRss, build_model, run
 
 # --impl -> (module, trainer class); modules are imported lazily: DeepSpeed exists only in the peers' venv.
 IMPLS = {
@@ -36,8 +36,10 @@ def main() -> None:
     try:
         module, cls = IMPLS[a.impl]
         trainer_cls = getattr(importlib.import_module(f"{__package__}.{module}"), cls)
+        # A system that shards the model while it is built (ours, DeepSpeed's zero.Init) builds it itself.
+        build = getattr(trainer_cls, "build_model", None)
         run(BenchSpec.load(a.spec), a.system, lambda model, spec, gas: trainer_cls(model, spec, gas, a.offload),
-            a.out_dir, rss)
+            a.out_dir, rss, build=(lambda spec: build(spec, a.offload)) if build else build_model)
     except BaseException as e:
         with open(os.path.join(a.out_dir, f"error_rank{rank}.txt"), "w", encoding="utf-8") as f:
             f.write(f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__)

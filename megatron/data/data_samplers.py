@@ -55,7 +55,10 @@ def build_pretraining_data_loader(dataset: torch.utils.data.Dataset | None, cons
                                          data_parallel_rank, data_parallel_size)
     # Its own generator: starting an iterator draws a worker seed, which must not advance the global
     # RNG (dropout) stream, or a resumed run would diverge from the uninterrupted one.
+    # Workers come from a forkserver, not fork: a forked worker keeps every page the trainer holds at fork
+    # time, so each page the trainer writes afterwards (gradient shards, gigabytes at scale) is duplicated.
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                        generator=torch.Generator().manual_seed(consumed_samples),
                                        pin_memory=torch.cuda.is_available(),
-                                       persistent_workers=num_workers > 0)
+                                       persistent_workers=num_workers > 0,
+                                       multiprocessing_context="forkserver" if num_workers > 0 else None)

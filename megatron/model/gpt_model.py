@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.core import parallel_state as ps
+from megatron.core.deferred_init import init_or_defer
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
     RNGStatesTracker,
@@ -26,6 +27,12 @@ from megatron.model.rotary import rotary_cos_sin
 from megatron.model.transformer import TransformerBlock, build_norm
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def _initialized(shape: tuple[int, ...], init) -> torch.Tensor:
+    t = torch.empty(shape, dtype=torch.float32, device="cpu")
+    init(t)
+    return t
 
 
 def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
@@ -44,8 +51,9 @@ class Embedding(nn.Module):
         self.learned_positions = config.position_embedding_type == "learned_absolute"
         if self.learned_positions:
             self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-            with torch.no_grad():
-                config.init_method("embedding.position_embeddings.weight")(self.position_embeddings.weight)
+            shape, init = (config.max_position_embeddings, config.hidden_size), \
+                config.init_method("embedding.position_embeddings.weight")
+            init_or_defer(self.position_embeddings.weight, lambda: _initialized(shape, init))
         self.dropout = config.hidden_dropout
 
     def forward(self, tokens, position_ids):

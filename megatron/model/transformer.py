@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megatron.core import parallel_state as ps
+from megatron.core.deferred_init import defer_norm
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, RNGStatesTracker, divide
 from megatron.core.transformer_config import TransformerConfig
 from megatron.model.rotary import apply_rotary
@@ -22,8 +23,8 @@ from megatron.model.rotary import apply_rotary
 
 def build_norm(config: TransformerConfig) -> nn.Module:
     if config.normalization == "RMSNorm":
-        return nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
-    return nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        return defer_norm(nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon))
+    return defer_norm(nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon))
 
 
 class Attention(nn.Module):

@@ -75,9 +75,22 @@ class MegatronBackend:
     def memory_tiers(self) -> dict[str, float]:
         return {}
 
+    def comm_stats(self) -> None:
+        """Communication profiling is a zero_cache engine feature (--deepspeed)."""
+        return None
+
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's (TP/PP-partitioned) weights, as fp32 copies."""
         return {n: p.detach().float().clone() for n, p in self.module.named_parameters()}
+
+
+def build_model(cfg: Config, model_provider, model_cfg, rng_tracker, device: torch.device) -> torch.nn.Module:
+    """The model on ``device``; under --deepspeed it is built without memory and the engine fills it chunk
+    by chunk (a model bigger than host memory can be trained), see zero_backend.build_lazy_model."""
+    if cfg.zero.enabled:
+        from megatron.training.zero_backend import build_lazy_model
+        return build_lazy_model(model_provider, model_cfg, rng_tracker, device)
+    return model_provider(model_cfg, rng_tracker).to(device)
 
 
 def build_backend(cfg: Config, model: torch.nn.Module):

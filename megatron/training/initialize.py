@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import random
 import socket
@@ -38,7 +39,17 @@ def initialize_distributed(parallel: ParallelConfig) -> torch.device:
         dist.init_process_group(backend, timeout=timeout)
     ps.initialize_model_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                                  timeout=timeout)
+    _configure_logging()
     return device
+
+
+def _configure_logging() -> None:
+    """Library INFO lines (the ZeRO engine's per-tier memory and SSD traffic) from the logging rank only,
+    the one that prints the iteration lines; warnings from every rank. Left alone if the user configured it."""
+    if logging.getLogger().handlers:
+        return
+    last = dist.get_rank() == dist.get_world_size() - 1
+    logging.basicConfig(level=logging.INFO if last else logging.WARNING, format="[%(name)s] %(message)s")
 
 
 def set_random_seed(seed: int, device: torch.device) -> RNGStatesTracker:

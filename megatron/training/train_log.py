@@ -3,7 +3,8 @@
 Tools parse the ``key: value |`` fields, so names and order follow Megatron:
 iteration, consumed samples, elapsed time per iteration (ms), learning rate,
 global batch size, lm loss (7 significant digits), loss scale, grad norm, then
-our throughput / memory / ETA fields.
+our throughput / memory / ETA fields. With the engine's communication profiling on,
+a second line gives the last step's collectives against the ZeRO theory.
 """
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ import datetime
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
+
+if TYPE_CHECKING:
+    from zero_cache.comm import CommStepStats
 
 
 def memory_fields(device: torch.device, extra: dict[str, float] | None = None) -> str:
@@ -66,8 +71,9 @@ class TrainLogger:
         self.interval.add(loss, skipped)
 
     def log(self, iteration: int, consumed_samples: int, lr: float, loss_scale: float, grad_norm: float | None,
-            extra_memory: dict[str, float] | None = None) -> str | None:
-        """Emit the line for the interval ending at ``iteration``; returns it (on the logging rank)."""
+            extra_memory: dict[str, float] | None = None, comm: CommStepStats | None = None) -> str | None:
+        """Emit the line for the interval ending at ``iteration``; returns it, and the comm line below it when
+        ``comm`` (the last step's collectives) is given (on the logging rank)."""
         s, now = self.interval, time.perf_counter()
         if self.run_start_iteration is None:
             self.run_start_iteration = iteration - s.iters
@@ -97,18 +103,30 @@ class TrainLogger:
             f"ETA: {datetime.timedelta(seconds=int(eta))}",
         ]
         line = " | ".join(fields) + " |"
+        if comm is not None:
+            line += "\n" + " | ".join([f" comm (step {iteration}, data-parallel group)", *comm.fields()]) + " |"
         if self.writer is not None:
             for tag, value in (("lm loss", loss), ("learning-rate", lr), ("loss-scale", loss_scale),
                                ("tokens-per-second", tokens_per_s), ("TFLOPs", tflops),
                                ("grad-norm", grad_norm)):
                 if value is not None:
                     self.writer.add_scalar(tag, value, iteration)
+            if comm is not None:
+                self._write_comm(comm, iteration)
             self.writer.flush()
         self.interval = IntervalStats()
         if self.is_logging_rank:
             print(line, flush=True)
             return line
         return None
+
+    def _write_comm(self, comm: CommStepStats, iteration: int) -> None:
+        for kind, m in comm.measured.items():
+            for name, value in (("count", m.count), ("bytes", m.nbytes), ("seconds", m.seconds),
+                                ("wait_seconds", m.wait_seconds), ("theory_bytes", comm.theory[kind].nbytes),
+                                ("bytes_vs_theory", comm.bytes_vs_theory(kind))):
+                if value is not None:
+                    self.writer.add_scalar(f"comm/{kind}_{name}", value, iteration)
 
     def log_eval(self, iteration: int, loss: float, split: str = "validation") -> None:
         if not self.is_logging_rank:

@@ -20,7 +20,7 @@ from megatron.core.transformer_config import TransformerConfig
 from megatron.data import build_pretraining_data_loader
 from megatron.tokenizer import build_tokenizer
 from megatron.training.arguments import Config, ConfigError, transformer_config_from_args
-from megatron.training.backend import build_backend
+from megatron.training.backend import build_backend, build_model
 from megatron.training.initialize import initialize_distributed, set_random_seed
 from megatron.training.lr_scheduler import scheduler_from_args
 from megatron.training.train_log import TrainLogger
@@ -113,7 +113,7 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
     model_cfg = transformer_config_from_args(cfg.args, tokenizer.vocab_size)
     # The zero_cache engine keeps fp32 masters itself and casts the compute copies: give it an fp32 model.
     build_cfg = dataclasses.replace(model_cfg, precision="fp32") if cfg.zero.enabled else model_cfg
-    model = model_provider(build_cfg, rng_tracker).to(device)
+    model = build_model(cfg, model_provider, build_cfg, rng_tracker, device)
     backend = build_backend(cfg, model)
     try:
         scheduler = scheduler_from_args(cfg.args, backend.optimizer, cfg.train.train_iters)
@@ -168,7 +168,7 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
         last_grad_norm = step.grad_norm if step.grad_norm is not None else last_grad_norm
         if iteration % t.log_interval == 0:
             logger.log(iteration, consumed, lr, step.loss_scale, last_grad_norm,
-                       backend.memory_tiers())
+                       backend.memory_tiers(), comm=backend.comm_stats())
         if valid_iter is not None and iteration % t.eval_interval == 0:
             logger.log_eval(iteration, evaluate(backend, forward_step_func, valid_iter, spec,
                                                 par.num_microbatches, t.eval_iters))

@@ -16,6 +16,7 @@ import torch
 
 import zero_cache
 from megatron.core import parallel_state as ps
+from megatron.core.deferred_init import initial_value
 from megatron.core.tensor_parallel import param_is_tensor_parallel_duplicate
 from megatron.training.arguments import Config, ConfigError
 from megatron.training.checkpointing import (CheckpointConfig, get_rng_state, read_tracker, set_rng_state, to_plain,
@@ -59,6 +60,14 @@ def deepspeed_config(cfg: Config) -> dict:
     return ds
 
 
+def build_lazy_model(model_provider, model_cfg, rng_tracker, device: torch.device) -> torch.nn.Module:
+    """Build on the meta device (no memory), then give the parameters storage-less tensors on ``device``;
+    ``zero_cache.initialize(param_init=initial_value)`` materialises them one chunk at a time."""
+    with torch.device("meta"):
+        model = model_provider(model_cfg, rng_tracker)
+    return zero_cache.storage_less_parameters(model, device)
+
+
 class ZeroBackend:
     """The zero_cache engine behind the trainer's backend interface (see backend.py)."""
 
@@ -81,7 +90,8 @@ class ZeroBackend:
                 and not param_is_tensor_parallel_duplicate(p),
                 tied_param_groups=tied,
                 param_groups=[{"params": decay, "weight_decay": cfg.optimizer.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}])
+                              {"params": no_decay, "weight_decay": 0.0}],
+                param_init=initial_value)
         except zero_cache.ConfigError as e:
             raise ConfigError(str(e)) from None
         if model.post_process and model.pre_process and model.output_layer.weight is None:
@@ -136,3 +146,8 @@ class ZeroBackend:
     def memory_tiers(self) -> dict[str, float]:
         report = self.model.memory_report()
         return {f"{tier} states": float(n) for tier, n in report.by_tier.items()}
+
+    def comm_stats(self) -> zero_cache.comm.CommStepStats | None:
+        """The last step's collectives on this rank's data-parallel group next to the ZeRO theory (None
+        unless the JSON sets zero_optimization.is_communication_time_profiling)."""
+        return self.model.last_comm_stats

@@ -52,3 +52,26 @@ def _count(rank, world, kw):
 def test_parameter_count_formula(kw):
     actual, formula = run_distributed(_count, 1, kw)[0]
     assert actual == formula
+
+
+def _deferred_equals_eager(rank, world, kw):
+    ps.initialize_model_parallel(world, 1)
+    from megatron.core.deferred_init import initial_value
+    eager = _model(**kw)
+    with torch.device("meta"):
+        lazy = _model(**kw)
+    eager_params = dict(eager.named_parameters())
+    out = {}
+    for name, p in lazy.named_parameters():
+        assert p.is_meta, name
+        out[name] = torch.equal(initial_value(name, p), eager_params[name].detach())
+    return out
+
+
+@pytest.mark.parametrize("kw", [{}, {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True,
+                                     "add_bias_linear": False, "untie_embeddings_and_output_weights": True}],
+                         ids=["gpt2", "llama"])
+def test_meta_built_model_initializes_like_eager(kw):
+    """Every parameter built on the meta device carries an initializer that gives the eager weights (TP=2)."""
+    for per_rank in run_distributed(_deferred_equals_eager, 2, kw):
+        assert per_rank and all(per_rank.values()), [n for n, ok in per_rank.items() if not ok]

@@ -23,7 +23,7 @@ class Block(nn.Module):
 
     def forward(self, x):
         h = self.ln1(x)
-        mixed = h.cumsum(1) / torch.arange(1, h.shape[1] + 1, dtype=h.dtype).view(1, -1, 1)  # causal mean
+        mixed = h.cumsum(1) / torch.arange(1, h.shape[1] + 1, dtype=h.dtype, device=h.device).view(1, -1, 1)  # causal mean
         return x + self.gate * self.fc2(torch.relu(self.fc1(h + mixed)))
 
 

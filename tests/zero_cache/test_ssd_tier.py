@@ -135,9 +135,11 @@ def _param_read_ahead(rank, world_size, nvme):
     events = engine.profiler.events
     swap_in = engine.store.swap_in
 
-    def logged(keys, for_gather=False):
-        events.append(("ssd_read" if for_gather else "ssd_read_states", keys[0]))
-        return swap_in(keys, for_gather)
+    def logged(keys, for_gather=False, optional=False):
+        handle = swap_in(keys, for_gather, optional)
+        if handle is not None:
+            events.append(("ssd_read" if for_gather else "ssd_read_states", keys[0]))
+        return handle
 
     engine.store.swap_in = logged
     steps = []

@@ -6,9 +6,10 @@ The output directory holds one ``<name>.pt`` per tensor with the single-process
 model's names (global layer indices, tensor-parallel shards concatenated),
 ``args.json`` (the run's model arguments) and ``index.json`` (written last).
 It streams: the engine's consolidation assembles one data-parallel-sharded
-tensor at a time per model-parallel rank, and the tensor-parallel pieces of one
-tensor are joined and written before the next is read, so memory is a few
-times the largest tensor, never the model. ``convert_to_hf.py --state-dict
+tensor at a time per model-parallel rank from the checkpoint's slice files
+(one open at a time), and the tensor-parallel pieces of one tensor are read
+memory-mapped and copied into the joined tensor before the next is read, so
+memory is one output tensor plus one slice or piece, never the model. ``convert_to_hf.py --state-dict
 <out dir>`` exports it to Hugging Face.
 """
 from __future__ import annotations
@@ -24,7 +25,8 @@ import torch
 
 from tools.checkpoint.loader import OUTPUT_LAYER, global_name, partition_dim
 from zero_cache.checkpoint.consolidate import consolidate
-from zero_cache.checkpoint.sharded import atomic_torch_save, file_prefix, latest_tag
+from zero_cache.checkpoint.sharded import file_prefix, latest_tag
+from zero_cache.checkpoint.slices import atomic_torch_save
 
 
 def _read_args(save_dir: str, tag: str) -> dict:
@@ -35,6 +37,24 @@ def _read_args(save_dir: str, tag: str) -> dict:
     if "args" not in client:
         raise SystemExit(f"zero_to_fp32: {path} carries no trainer args; it was not written by pretrain_gpt.py")
     return dict(client["args"])
+
+
+def _load_mapped(path: str) -> torch.Tensor:
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def _join(pieces: list[tuple[str, list[int]]], dim: int | None) -> torch.Tensor:
+    """One tensor from its tensor-parallel (path, shape) pieces (replicated: the first), mapped one at a time."""
+    if dim is None or len(pieces) == 1:
+        return _load_mapped(pieces[0][0])
+    shape = list(pieces[0][1])
+    shape[dim] = sum(s[dim] for _, s in pieces)
+    full = torch.empty(shape, dtype=_load_mapped(pieces[0][0]).dtype)
+    at = 0
+    for path, s in pieces:
+        full.narrow(dim, at, s[dim]).copy_(_load_mapped(path))
+        at += s[dim]
+    return full
 
 
 def zero_to_fp32(save_dir: str, out_dir: str, tag: str | None = None) -> dict[str, dict]:
@@ -57,14 +77,14 @@ def zero_to_fp32(save_dir: str, out_dir: str, tag: str | None = None) -> dict[st
             for name, entry in parts[0][1].items():
                 if tied and name == OUTPUT_LAYER and p == pp - 1 and pp > 1:
                     continue  # the last stage's copy of the tied word embedding
-                pieces = [torch.load(os.path.join(d, idx[name]["file"]), weights_only=True) for d, idx in parts]
-                dim = partition_dim(name)
-                full = pieces[0] if dim is None or tp == 1 else torch.cat(pieces, dim)
+                full = _join([(os.path.join(d, idx[name]["file"]), idx[name]["shape"]) for d, idx in parts],
+                             partition_dim(name))
                 gname = global_name(name, p * per_stage)
                 fname = gname + ".pt"
                 atomic_torch_save(full, os.path.join(out_dir, fname))
-                index[gname] = {"file": fname, "shape": list(full.shape), "dtype": str(full.dtype).removeprefix("torch.")}
-                del pieces, full
+                index[gname] = {"file": fname, "shape": list(full.shape),
+                                "dtype": str(full.dtype).removeprefix("torch.")}
+                del full
             for d, _ in parts:
                 shutil.rmtree(d)
     with open(os.path.join(out_dir, "args.json"), "w", encoding="utf-8") as f:

@@ -1,4 +1,5 @@
-"""Sharded ZeRO checkpoints (every rank saves its own shards) and offline consolidation."""
+"""Sharded ZeRO checkpoints (every rank saves its own shards, in bounded slices) and offline consolidation."""
 from .sharded import latest_tag, load, save
+from .slices import CheckpointError
 
-__all__ = ["save", "load", "latest_tag"]
+__all__ = ["save", "load", "latest_tag", "CheckpointError"]

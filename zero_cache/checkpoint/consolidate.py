@@ -4,13 +4,15 @@
 
 Output: a *directory* with one ``<name>.pt`` file per tensor (fp32 parameters, plus buffers and frozen
 parameters) and ``index.json`` (written last) mapping every state-dict key, tied aliases included, to its
-file. Load it with ``load_consolidated(out_dir)``. The shard files are memory-mapped and each tensor is
-assembled, written and dropped in turn, so peak memory is the largest tensor, not the model.
+file. Load it with ``load_consolidated(out_dir)``. Each tensor is assembled from the ranks' shards, written
+and dropped in turn; shards are read from memory-mapped files, one slice file open at a time (its
+checksum verified when first opened), so peak memory is one output tensor plus one slice, not the model.
 One model-parallel rank is consolidated per call (``--mp-rank``).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -18,7 +20,34 @@ import time
 
 import torch
 
-from .sharded import FORMAT, atomic_torch_save, file_prefix, latest_tag, unpack
+from .sharded import READABLE, file_prefix, flat, latest_tag
+from .slices import SliceFiles, atomic_torch_save
+
+
+class _Masters:
+    """Ranges of every DP rank's fp32 master stream, from its slices (one open at a time) or flat tensor."""
+
+    def __init__(self, tag_dir: str, paths: list[str], metas: list[dict]):
+        self.sources = []
+        for path, meta in zip(paths, metas):
+            if "slices" in meta:
+                files = SliceFiles(tag_dir, path, meta["slices"])
+                files.check_present()
+                self.sources.append(files)
+            else:
+                self.sources.append(flat(meta["master"]))
+        self._open: tuple[tuple[int, int] | None, torch.Tensor | None] = (None, None)
+
+    def copy(self, rank: int, lo: int, hi: int, out: torch.Tensor) -> None:
+        src = self.sources[rank]
+        if isinstance(src, torch.Tensor):
+            out.copy_(src[lo:hi])
+            return
+        for k, a, b, pos in src.locate(lo, hi):
+            if self._open[0] != (rank, k):
+                self._open = (None, None)  # drop the previous slice before mapping the next
+                self._open = ((rank, k), src.load(k)["master"])
+            out[pos:pos + b - a].copy_(self._open[1][a:b])
 
 
 def _file_name(name: str) -> str:
@@ -33,18 +62,19 @@ def consolidate(ckpt_dir: str, out_dir: str, tag: str | None = None, mp_rank: in
     if not os.path.isfile(first):
         raise FileNotFoundError(f"{first} is missing: is '{tag_dir}' a zero_cache checkpoint with mp rank {mp_rank}?")
     meta = torch.load(first, map_location="cpu", weights_only=True, mmap=True)
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in READABLE:
         raise ValueError(f"{first}: not a zero_cache checkpoint")
     dp = meta["dp_world_size"]
-    ranks = [meta]
+    paths, metas = [first], [meta]
     for r in range(1, dp):
         path = os.path.join(tag_dir, file_prefix(r, mp_rank) + "_model_states.pt")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} is missing: the checkpoint was saved by {dp} data-parallel ranks")
-        ranks.append(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+        paths.append(path)
+        metas.append(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+    masters = _Masters(tag_dir, paths, metas)
     layout = meta["layout"]
-    shards = [c["shard"] for c in layout]
-    masters = [unpack(s["master"], shards) for s in ranks]
+    starts = list(itertools.accumulate((c["shard"] for c in layout), initial=0))  # chunk offsets in the streams
     os.makedirs(out_dir, exist_ok=True)
     index: dict[str, dict] = {}
     total = sum(len(c["slots"]) for c in layout)
@@ -57,7 +87,8 @@ def consolidate(ckpt_dir: str, out_dir: str, tag: str | None = None, mp_rank: in
             for r in range(dp):
                 a, b = max(lo, r * s_len), min(hi, (r + 1) * s_len)
                 if a < b:
-                    t[a - lo:b - lo].copy_(masters[r][ci][a - r * s_len:b - r * s_len])
+                    off = starts[ci] - r * s_len
+                    masters.copy(r, a + off, b + off, t[a - lo:b - lo])
             fname = _file_name(slot["name"])
             atomic_torch_save(t.view(slot["shape"]), os.path.join(out_dir, fname))
             for alias in meta["aliases"][slot["name"]]:

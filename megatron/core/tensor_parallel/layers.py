@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.core import parallel_state as ps
+from megatron.core.deferred_init import defer_constant, init_or_defer
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -42,17 +43,20 @@ def param_is_tensor_parallel_duplicate(param: torch.Tensor) -> bool:
     return not getattr(param, "tensor_model_parallel", False) and ps.get_tensor_model_parallel_rank() > 0
 
 
-@torch.no_grad()
 def initialize_partitioned_weight(weight: torch.Tensor, full_shape: tuple[int, ...], partition_dim: int,
                                   init_method: InitMethod | None) -> None:
-    """Initialise the full weight with ``init_method`` and keep this rank's slice along ``partition_dim``."""
+    """Initialise the full weight with ``init_method`` and keep this rank's slice along ``partition_dim``
+    (on the meta device: record that recipe for the ZeRO engine, see deferred_init.py)."""
     if init_method is None:
         return
-    full = torch.empty(full_shape, dtype=torch.float32)
-    init_method(full)
-    world = ps.get_tensor_model_parallel_world_size()
-    shard = full.chunk(world, dim=partition_dim)[ps.get_tensor_model_parallel_rank()]
-    weight.copy_(shard)
+    world, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+
+    def make() -> torch.Tensor:
+        full = torch.empty(full_shape, dtype=torch.float32, device="cpu")
+        init_method(full)
+        return full.chunk(world, dim=partition_dim)[rank]
+
+    init_or_defer(weight, make)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -73,6 +77,7 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, dtype=params_dtype, device=device))
             set_tensor_model_parallel_attributes(self.bias, True, 0)
+            defer_constant(self.bias, 0.0)
         else:
             self.register_parameter("bias", None)
 
@@ -106,6 +111,7 @@ class RowParallelLinear(nn.Module):
             # Replicated: added once after the all-reduce.
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
             set_tensor_model_parallel_attributes(self.bias, False, 0)
+            defer_constant(self.bias, 0.0)
         else:
             self.register_parameter("bias", None)
 

@@ -1,0 +1,333 @@
+"""The largest GPT one machine trains, ours against DeepSpeed ZeRO-3, and s/step at a common size.
+
+    python benchmarks/max_scale.py --nvme-path /tmp/zc_maxscale              # ours at 3.6B + both at 1.04B
+    python benchmarks/max_scale.py --ours-sizes 3.6 4.0 --compare-size 1.04  # more capacity attempts
+    python benchmarks/max_scale.py --rerun-deepspeed-capacity 0.74:cpu 1.04:nvme 1.79:nvme   # ~15 min each
+
+The family is the one the capacity figures of issue 7 were measured on: GPT, hidden 2048, 16 heads, FFN 4x,
+vocabulary 32000 with an untied output layer, sequence 256, micro-batch 1, 2 ranks on gloo, fp32, full
+activation recomputation, the number of layers grown (size in billions -> layers: 50.4M per layer + 131.6M
+of embeddings). Every attempt trains 3 optimizer steps.
+
+- Ours: `pretrain_gpt.py --deepspeed` (the product path: the model is built on the meta device and sharded
+  chunk by chunk; states on SSD under --nvme-path) with the config ``tools/plan_memory.py`` chooses for
+  that size on this machine; its training log is kept for ``tools/plot_run.py``.
+- DeepSpeed: ``benchmarks/peer_workers`` (the same GPTModel built under ``deepspeed.zero.Init``) in the
+  peers' venv (``source benchmarks/peers_env.sh`` once), given the same offload JSON.
+- Capacity of DeepSpeed is not a noisy figure and an attempt takes ~15 minutes, so it is cached in
+  ``benchmarks/max_scale_deepspeed.json`` with DeepSpeed's version and the machine's RAM and free disk;
+  ``--rerun-deepspeed-capacity`` measures it again. The s/step comparison is always measured in this run.
+
+Peak memory is the summed proportional set size (PSS: shared pages counted once) of every process of the
+job, sampled each second; disk is the growth of used space on --nvme-path's filesystem. The table goes to
+stdout and to --out-dir/max_scale.md with the command, date and machine.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import psutil
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from peer_workers.harness import BenchSpec  # noqa: E402
+
+PEERS_PYTHON = os.path.join(ROOT, "benchmarks", ".venv-peers", "bin", "python")
+CACHE = os.path.join(ROOT, "benchmarks", "max_scale_deepspeed.json")
+HIDDEN, HEADS, FFN, VOCAB, SEQ, RANKS, STEPS = 2048, 16, 8192, 32000, 256, 2, 3
+PER_LAYER = 12 * HIDDEN * HIDDEN + 13 * HIDDEN  # attention + MLP matrices, biases, two LayerNorms
+FIXED = 2 * VOCAB * HIDDEN + SEQ * HIDDEN + 2 * HIDDEN  # word embeddings, untied head, positions, final norm
+
+
+def layers_for(billions: float) -> int:
+    return max(1, round((billions * 1e9 - FIXED) / PER_LAYER))
+
+
+def params_of(layers: int) -> int:
+    return layers * PER_LAYER + FIXED
+
+
+@dataclass
+class Attempt:
+    system: str  # ours | deepspeed
+    offload: str  # cpu | nvme
+    layers: int
+    params: int
+    ok: bool = False
+    step_s: list[float] = field(default_factory=list)
+    peak_mem_gib: float = 0.0
+    peak_disk_gib: float = 0.0
+    setup_s: float = 0.0
+    note: str = ""  # why it failed, or where the figure came from
+    log: str = ""
+
+    @property
+    def steady_s(self) -> float | None:
+        """Median of the steps after the first (the first records the prefetch trace)."""
+        rest = self.step_s[1:] or self.step_s
+        return statistics.median(rest) if rest else None
+
+
+class JobMonitor:
+    """Peak summed PSS of a process tree and peak growth of used disk space, sampled every second."""
+
+    def __init__(self, root_pid: int, disk_path: str):
+        self.root, self.disk_path = psutil.Process(root_pid), disk_path
+        self.disk0 = psutil.disk_usage(disk_path).used
+        self.peak_mem = self.peak_disk = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            total = 0
+            try:
+                procs = [self.root] + self.root.children(recursive=True)
+            except psutil.Error:
+                continue
+            for p in procs:
+                try:
+                    total += p.memory_full_info().pss
+                except psutil.Error:
+                    pass
+            self.peak_mem = max(self.peak_mem, total)
+            self.peak_disk = max(self.peak_disk, psutil.disk_usage(self.disk_path).used - self.disk0)
+
+    def stop(self) -> tuple[float, float]:
+        self._stop.set()
+        self._thread.join()
+        return self.peak_mem / 2**30, self.peak_disk / 2**30
+
+
+def _run_job(cmd: list[str], log_path: str, nvme: str, timeout_s: float, env: dict) -> tuple[int, float, float]:
+    print(f"  $ {shlex.join(cmd)}\n    log: {log_path}", flush=True)
+    with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                start_new_session=True)
+        mon = JobMonitor(proc.pid, nvme)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            rc = proc.wait()
+            log.write(f"\n[max_scale] killed after {timeout_s:.0f} s\n")
+        mem, disk = mon.stop()
+    return rc, mem, disk
+
+
+def _tail(path: str, n: int = 3) -> str:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [ln.strip() for ln in f if ln.strip()]
+    return " / ".join(lines[-n:])[-400:]
+
+
+def plan_config(layers: int, nvme: str, out_dir: str) -> tuple[str, list[str]]:
+    """Ask the planner for this size's zero_cache config on this machine (exit 3: it does not fit)."""
+    cfg, args = os.path.join(out_dir, f"ours_{layers}l.json"), os.path.join(out_dir, f"ours_{layers}l.args")
+    cmd = [sys.executable, "tools/plan_memory.py", "--num-layers", str(layers), "--hidden-size", str(HIDDEN),
+           "--num-attention-heads", str(HEADS), "--ffn-hidden-size", str(FFN), "--seq-length", str(SEQ),
+           "--vocab-size", str(VOCAB), "--untie-embeddings-and-output-weights", "--micro-batch-size", "1",
+           "--nproc-per-node", str(RANKS), "--recompute-activations", "--nvme-path", nvme,
+           "--write-ds-config", cfg, "--write-args", args]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    print(res.stdout.rstrip(), flush=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"planner says {layers} layers do not fit (exit {res.returncode}): "
+                           f"{(res.stdout + res.stderr).strip()[-300:]}")
+    with open(args, encoding="utf-8") as f:
+        return cfg, [ln.strip() for ln in f if ln.strip()]
+
+
+def run_ours(layers: int, a, out_dir: str) -> Attempt:
+    att = Attempt("ours", "nvme", layers, params_of(layers))
+    try:
+        cfg, model_args = plan_config(layers, a.nvme_path, out_dir)
+    except RuntimeError as e:
+        att.note = str(e)
+        return att
+    att.log = os.path.join(out_dir, f"ours_{layers}l.log")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
+           "pretrain_gpt.py", *model_args,
+           "--global-batch-size", str(RANKS), "--train-iters", str(STEPS), "--lr", "1e-4",
+           "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data", "--tokenizer-type", "NullTokenizer",
+           "--vocab-size", str(VOCAB), "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
+           "--distributed-backend", "gloo", "--deepspeed", "--deepspeed_config", cfg]
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
+    t0 = time.perf_counter()
+    rc, att.peak_mem_gib, att.peak_disk_gib = _run_job(cmd, att.log, a.nvme_path, a.timeout, env)
+    att.step_s = _iteration_seconds(att.log)
+    att.ok = rc == 0 and len(att.step_s) == STEPS
+    att.setup_s = time.perf_counter() - t0 - sum(att.step_s)
+    att.note = "" if att.ok else f"exit {rc}: {_tail(att.log)}"
+    return att
+
+
+def _iteration_seconds(log_path: str) -> list[float]:
+    out = []
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if "elapsed time per iteration (ms):" in line:
+                out.append(float(line.split("elapsed time per iteration (ms):")[1].split("|")[0]) / 1e3)
+    return out
+
+
+def run_deepspeed(layers: int, offload: str, a, out_dir: str) -> Attempt:
+    att = Attempt("deepspeed", offload, layers, params_of(layers))
+    if not os.path.exists(PEERS_PYTHON):
+        att.note = "peers' venv missing: run `source benchmarks/peers_env.sh` once"
+        return att
+    job = os.path.join(out_dir, f"deepspeed_{offload}_{layers}l")
+    os.makedirs(job, exist_ok=True)
+    spec = BenchSpec(layers=layers, hidden=HIDDEN, heads=HEADS, vocab=VOCAB, seq=SEQ, micro_batch=1,
+                     global_batch=RANKS, steps=STEPS - 1, warmup=1, lr=1e-4, weight_decay=0.1, clip_grad=1.0,
+                     seed=1234, page_size=26_000_000, threads=a.threads, offload_device=offload,
+                     nvme_path=a.nvme_path, sub_group_size=25_000_000, untie_embeddings=True, recompute=True)
+    spec_path = os.path.join(job, "spec.json")
+    spec.save(spec_path)
+    att.log = os.path.join(job, "log.txt")
+    cmd = [PEERS_PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
+           "-m", "peer_workers.worker", "--impl", "deepspeed", "--offload", "--system", f"deepspeed-{offload}",
+           "--spec", spec_path, "--out-dir", job]
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), DS_ACCELERATOR="cpu",
+               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "benchmarks"), ROOT]))
+    rc, att.peak_mem_gib, att.peak_disk_gib = _run_job(cmd, att.log, a.nvme_path, a.timeout, env)
+    result = os.path.join(job, "result_rank0.json")
+    if rc == 0 and os.path.exists(result):
+        with open(result, encoding="utf-8") as f:
+            r = json.load(f)
+        att.ok, att.step_s, att.setup_s = True, r["step_s"], r["setup_s"]
+    else:
+        att.note = f"exit {rc}: {_tail(att.log)}"
+    return att
+
+
+def deepspeed_version() -> str:
+    if not os.path.exists(PEERS_PYTHON):
+        return "not installed"
+    res = subprocess.run([PEERS_PYTHON, "-c", "import deepspeed; print(deepspeed.__version__)"],
+                         capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    return res.stdout.strip().splitlines()[-1] if res.returncode == 0 and res.stdout.strip() else "unknown"
+
+
+def machine(nvme: str) -> dict:
+    return {"ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
+            "disk_free_gib": round(psutil.disk_usage(nvme).free / 2**30, 1), "cpus": os.cpu_count(),
+            "host": platform.node()}
+
+
+def load_cache() -> dict:
+    if not os.path.exists(CACHE):
+        return {"attempts": []}
+    with open(CACHE, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def save_cache(cache: dict) -> None:
+    tmp = CACHE + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(cache, f, indent=1)
+    os.replace(tmp, CACHE)
+
+
+def _fmt_s(x: float | None) -> str:
+    return f"{x:.1f}" if x is not None else "-"
+
+
+def table(ours: list[Attempt], ds_cached: list[dict], compare: list[Attempt]) -> str:
+    out = ["### Capacity (3 steps each)", "",
+           "| system | offload | layers | params (B) | trains | s/step (steps 2-3) | peak memory (GiB, PSS) "
+           "| disk (GiB) | source |", "|---|---|---:|---:|---|---:|---:|---:|---|"]
+    for att in ours:
+        out.append(f"| ours | {att.offload} | {att.layers} | {att.params / 1e9:.2f} | {'yes' if att.ok else 'NO'} "
+                   f"| {_fmt_s(att.steady_s)} | {att.peak_mem_gib:.1f} | {att.peak_disk_gib:.1f} | this run"
+                   f"{'' if att.ok else ': ' + att.note[:160]} |")
+    for d in ds_cached:
+        steady = d.get("s_per_step") or "-"
+        out.append(f"| DeepSpeed ZeRO-3 | {d['offload']} | {d['layers']} | {d['params'] / 1e9:.2f} | "
+                   f"{'yes' if d['ok'] else 'NO'} | {steady} | {d.get('peak_mem_gib', '-')} | "
+                   f"{d.get('disk_gib', '-')} | {d['source']} |")
+    largest_ours = max((a.params for a in ours if a.ok), default=0)
+    largest_ds = max((d["params"] for d in ds_cached if d["ok"]), default=0)
+    if largest_ours and largest_ds:
+        out += ["", f"Largest that trains: ours {largest_ours / 1e9:.2f}B, DeepSpeed {largest_ds / 1e9:.2f}B "
+                    f"({largest_ours / largest_ds:.2f}x)."]
+    if compare:
+        out += ["", "### Seconds per step at a common size, same run (states on SSD)", "",
+                "| system | layers | params (B) | s/step (steps 2-3) | first step (s) | set-up (s) | peak memory "
+                "(GiB) | disk (GiB) | speed-up vs DeepSpeed |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        ds = next((a for a in compare if a.system == "deepspeed" and a.ok), None)
+        for att in compare:
+            speed = (f"{ds.steady_s / att.steady_s:.2f}x" if ds is not None and att.ok and att.steady_s else "-")
+            first = _fmt_s(att.step_s[0]) if att.step_s else "-"
+            out.append(f"| {att.system} | {att.layers} | {att.params / 1e9:.2f} | {_fmt_s(att.steady_s) if att.ok else 'failed: ' + att.note[:120]} "
+                       f"| {first} | {att.setup_s:.0f} | {att.peak_mem_gib:.1f} | {att.peak_disk_gib:.1f} | {speed} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nvme-path", default="/tmp/zc_maxscale", help="directory on the SSD for both systems' swap")
+    p.add_argument("--ours-sizes", type=float, nargs="*", default=[3.6], help="capacity attempts, billions")
+    p.add_argument("--compare-size", type=float, default=1.04, help="s/step comparison size, billions (0: skip)")
+    p.add_argument("--rerun-deepspeed-capacity", nargs="*", default=None, metavar="BILLIONS:OFFLOAD",
+                   help="measure DeepSpeed's capacity attempts again (e.g. 0.74:cpu 1.79:nvme) and update the cache")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per attempt")
+    p.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results", "max_scale"))
+    a = p.parse_args(argv)
+    os.makedirs(a.out_dir, exist_ok=True)
+    os.makedirs(a.nvme_path, exist_ok=True)
+    started = datetime.datetime.now(datetime.timezone.utc)
+
+    cache = load_cache()
+    if a.rerun_deepspeed_capacity is not None:
+        version, box = deepspeed_version(), machine(a.nvme_path)
+        for item in a.rerun_deepspeed_capacity:
+            size, _, offload = item.partition(":")
+            att = run_deepspeed(layers_for(float(size)), offload or "nvme", a, a.out_dir)
+            cache["attempts"] = [d for d in cache["attempts"] if (d["layers"], d["offload"]) != (att.layers, offload)]
+            cache["attempts"].append({"offload": att.offload, "layers": att.layers, "params": att.params,
+                                      "ok": att.ok, "s_per_step": _fmt_s(att.steady_s),
+                                      "peak_mem_gib": round(att.peak_mem_gib, 1),
+                                      "disk_gib": round(att.peak_disk_gib, 1), "deepspeed": version, **box,
+                                      "source": f"measured by max_scale.py {started:%Y-%m-%d}"})
+            save_cache(cache)
+
+    ours = []
+    for size in a.ours_sizes:
+        print(f"[max_scale] ours at {size}B ({layers_for(size)} layers)", flush=True)
+        ours.append(run_ours(layers_for(size), a, a.out_dir))
+    compare = []
+    if a.compare_size > 0:
+        layers = layers_for(a.compare_size)
+        print(f"[max_scale] s/step at {a.compare_size}B ({layers} layers): ours, then DeepSpeed", flush=True)
+        compare = [run_ours(layers, a, a.out_dir), run_deepspeed(layers, "nvme", a, a.out_dir)]
+
+    ds_rows = sorted(cache["attempts"], key=lambda d: (d["offload"], d["layers"]))
+    report = table(ours, ds_rows, compare)
+    header = (f"## Max scale, {started:%Y-%m-%d %H:%M} UTC\n\n`python benchmarks/max_scale.py "
+              f"{shlex.join(sys.argv[1:] if argv is None else argv)}` on {json.dumps(machine(a.nvme_path))}, "
+              f"DeepSpeed {deepspeed_version()}; GPT h{HIDDEN}/{HEADS} heads/FFN {FFN}/vocab {VOCAB} untied, seq "
+              f"{SEQ}, micro-batch 1, {RANKS} ranks (gloo, fp32, full recompute), {STEPS} steps per attempt.\n")
+    text = header + "\n" + report + "\n"
+    print("\n" + text)
+    with open(os.path.join(a.out_dir, "max_scale.md"), "w", encoding="utf-8") as f:
+        f.write(text)
+    with open(os.path.join(a.out_dir, "attempts.json"), "w", encoding="utf-8") as f:
+        json.dump([asdict(x) for x in ours + compare], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

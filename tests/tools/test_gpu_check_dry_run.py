@@ -1,0 +1,47 @@
+"""benchmarks/gpu_check.sh --dry-run: lists its three stages (with the flags that matter) and touches nothing."""
+import os
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*args, env=None):
+    return subprocess.run(["bash", "benchmarks/gpu_check.sh", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, **(env or {})})
+
+
+def test_dry_run_lists_the_three_stages(tmp_path):
+    out = tmp_path / "out"
+    proc = _run("--dry-run", env={"OUT": str(out)})
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln[2:] for ln in proc.stdout.splitlines() if ln.startswith("+ ")]
+    assert lines[0] == "source scripts/bootstrap.sh dev"  # a fresh machine is set up first
+
+    tests = [ln for ln in lines if re.search(r"-m pytest tests/cuda\b", ln)]
+    assert len(tests) == 1
+
+    trainers = [ln for ln in lines if "-m torch.distributed.run --standalone --nproc-per-node 1 pretrain_gpt.py" in ln]
+    assert len(trainers) == 2
+    dense, maxscale = trainers
+    for flag in ("--num-layers 24", "--hidden-size 2048", "--num-attention-heads 16", "--seq-length 2048",
+                 "--micro-batch-size 4", "--bf16", "--train-iters 20", "--mock-data",
+                 "--tokenizer-type NullTokenizer", "--vocab-size 32000"):
+        assert f"{flag} " in f"{dense} ", flag
+    assert "--deepspeed" not in dense  # no offload
+
+    planner = [ln for ln in lines if "tools/plan_memory.py" in ln]
+    assert len(planner) == 1
+    for flag in ("--device cuda", "--hidden-size 8192", "--num-attention-heads 64", "--ffn-hidden-size 32768",
+                 "--seq-length 2048", "--vocab-size 32000", "--largest", "--nproc-per-node 1",
+                 f"--write-ds-config {out}/maxscale.json", f"--write-args {out}/maxscale.args"):
+        assert f"{flag} " in f"{planner[0]} ", flag
+    assert lines.index(planner[0]) < lines.index(maxscale)  # the plan comes before the run that uses it
+    assert f"$(cat {out}/maxscale.args) --train-iters 3 --deepspeed --deepspeed_config {out}/maxscale.json" in maxscale
+    assert not out.exists()  # a dry run runs nothing and writes nothing
+
+
+def test_unknown_argument_is_a_usage_error():
+    proc = _run("--bogus")
+    assert proc.returncode == 2 and "usage: bash benchmarks/gpu_check.sh [--dry-run]" in proc.stderr
