@@ -19,5 +19,6 @@ setup(
         "ptm-launch=zero_cache.launcher.runner:main",
         "ptm-preprocess=tools.preprocess_data:main",
         "ptm-consolidate=zero_cache.checkpoint.consolidate:main",
+        "ptm-plan=tools.plan_memory:main",
     ]},
 )

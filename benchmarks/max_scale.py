@@ -10,8 +10,9 @@ activation recomputation, the number of layers grown (size in billions -> layers
 of embeddings). Every attempt trains 3 optimizer steps.
 
 - Ours: `pretrain_gpt.py --deepspeed` (the product path: the model is built on the meta device and sharded
-  chunk by chunk; states on SSD under --nvme-path) with the config ``tools/plan_memory.py`` chooses for
-  that size on this machine; its training log is kept for ``tools/plot_run.py``.
+  chunk by chunk) with the config ``tools/plan_memory.py`` chooses for that size on this machine: the
+  fastest that fits for the capacity attempts, every state on SSD (``--offload nvme``) for the s/step
+  comparison; its training log is kept for ``tools/plot_run.py``.
 - DeepSpeed: ``benchmarks/peer_workers`` (the same GPTModel built under ``deepspeed.zero.Init``) in the
   peers' venv (``source benchmarks/peers_env.sh`` once), given the same offload JSON.
 - Capacity of DeepSpeed is not a noisy figure and an attempt takes ~15 minutes, so it is cached in
@@ -29,6 +30,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -61,7 +63,7 @@ def params_of(layers: int) -> int:
 @dataclass
 class Attempt:
     system: str  # ours | deepspeed
-    offload: str  # cpu | nvme
+    offload: str  # where the states live: none | cpu | cpu+nvme | nvme
     layers: int
     params: int
     ok: bool = False
@@ -133,31 +135,47 @@ def _tail(path: str, n: int = 3) -> str:
     return " / ".join(lines[-n:])[-400:]
 
 
-def plan_config(layers: int, nvme: str, out_dir: str) -> tuple[str, list[str]]:
-    """Ask the planner for this size's zero_cache config on this machine (exit 3: it does not fit)."""
-    cfg, args = os.path.join(out_dir, f"ours_{layers}l.json"), os.path.join(out_dir, f"ours_{layers}l.args")
+def plan_config(layers: int, nvme: str, out_dir: str, offload: str) -> tuple[str, list[str], str]:
+    """Ask the planner for this size's zero_cache config on this machine (exit 3: it does not fit); returns
+    the config path, the Megatron flags and the offload mode it chose."""
+    cfg, args = (os.path.join(out_dir, f"ours_{offload}_{layers}l.json"),
+                 os.path.join(out_dir, f"ours_{offload}_{layers}l.args"))
     cmd = [sys.executable, "tools/plan_memory.py", "--num-layers", str(layers), "--hidden-size", str(HIDDEN),
            "--num-attention-heads", str(HEADS), "--ffn-hidden-size", str(FFN), "--seq-length", str(SEQ),
            "--vocab-size", str(VOCAB), "--untie-embeddings-and-output-weights", "--micro-batch-size", "1",
            "--nproc-per-node", str(RANKS), "--recompute-activations", "--nvme-path", nvme,
-           "--write-ds-config", cfg, "--write-args", args]
+           "--offload", offload, "--write-ds-config", cfg, "--write-args", args]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     print(res.stdout.rstrip(), flush=True)
     if res.returncode != 0:
         raise RuntimeError(f"planner says {layers} layers do not fit (exit {res.returncode}): "
                            f"{(res.stdout + res.stderr).strip()[-300:]}")
+    chosen = re.search(r"option: offload=(\S+),", res.stdout)
     with open(args, encoding="utf-8") as f:
-        return cfg, [ln.strip() for ln in f if ln.strip()]
+        return cfg, [ln.strip() for ln in f if ln.strip()], chosen.group(1) if chosen else offload
 
 
-def run_ours(layers: int, a, out_dir: str) -> Attempt:
-    att = Attempt("ours", "nvme", layers, params_of(layers))
+def run_ours(layers: int, offload: str, a, out_dir: str, cache_rate: float | None = None) -> Attempt:
+    """``offload``: the planner's mode (auto: the fastest that fits; nvme: states on SSD, the planner still
+    caching the share of optimizer sub-groups spare memory holds). ``cache_rate`` overrides that share
+    (0: every state on SSD, as DeepSpeed's NVMe offload)."""
+    att = Attempt("ours", offload, layers, params_of(layers))
     try:
-        cfg, model_args = plan_config(layers, a.nvme_path, out_dir)
+        cfg, model_args, att.offload = plan_config(layers, a.nvme_path, out_dir, offload)
     except RuntimeError as e:
         att.note = str(e)
         return att
-    att.log = os.path.join(out_dir, f"ours_{layers}l.log")
+    with open(cfg, encoding="utf-8") as f:
+        ds = json.load(f)
+    if cache_rate is not None:  # the planner's per-tier budgets assumed its own share: use the defaults
+        ds["zero_optimization"]["prefetch_cache_sub_group_rate"] = cache_rate
+        ds["zero_optimization"].pop("memory_budget", None)
+        cfg = cfg.replace(".json", f"_rate{cache_rate}.json")
+        with open(cfg, "w", encoding="utf-8") as f:
+            json.dump(ds, f, indent=1)
+    rate = ds["zero_optimization"].get("prefetch_cache_sub_group_rate", 0.0)
+    att.system = f"ours (prefetch_cache_sub_group_rate {rate})"
+    att.log = os.path.join(out_dir, f"ours_{offload}_{layers}l_rate{rate}.log")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
            "pretrain_gpt.py", *model_args,
            "--global-batch-size", str(RANKS), "--train-iters", str(STEPS), "--lr", "1e-4",
@@ -193,7 +211,10 @@ def run_deepspeed(layers: int, offload: str, a, out_dir: str) -> Attempt:
     spec = BenchSpec(layers=layers, hidden=HIDDEN, heads=HEADS, vocab=VOCAB, seq=SEQ, micro_batch=1,
                      global_batch=RANKS, steps=STEPS - 1, warmup=1, lr=1e-4, weight_decay=0.1, clip_grad=1.0,
                      seed=1234, page_size=26_000_000, threads=a.threads, offload_device=offload,
-                     nvme_path=a.nvme_path, sub_group_size=25_000_000, untie_embeddings=True, recompute=True)
+                     nvme_path=a.nvme_path, sub_group_size=10_000_000, untie_embeddings=True, recompute=True,
+                     # DeepSpeed's parameter swap buffers (5 of them) must each hold the largest parameter
+                     # (the 65.5M-element embedding); its default, 1e8 elements, costs 2 GB per rank.
+                     param_buffer_size=VOCAB * HIDDEN)
     spec_path = os.path.join(job, "spec.json")
     spec.save(spec_path)
     att.log = os.path.join(job, "log.txt")
@@ -247,10 +268,10 @@ def _fmt_s(x: float | None) -> str:
 
 def table(ours: list[Attempt], ds_cached: list[dict], compare: list[Attempt]) -> str:
     out = ["### Capacity (3 steps each)", "",
-           "| system | offload | layers | params (B) | trains | s/step (steps 2-3) | peak memory (GiB, PSS) "
+           "| system | offload | layers | params (B) | trains | s/step (steps 2-3) | peak memory (GiB) "
            "| disk (GiB) | source |", "|---|---|---:|---:|---|---:|---:|---:|---|"]
     for att in ours:
-        out.append(f"| ours | {att.offload} | {att.layers} | {att.params / 1e9:.2f} | {'yes' if att.ok else 'NO'} "
+        out.append(f"| {att.system} | {att.offload} | {att.layers} | {att.params / 1e9:.2f} | {'yes' if att.ok else 'NO'} "
                    f"| {_fmt_s(att.steady_s)} | {att.peak_mem_gib:.1f} | {att.peak_disk_gib:.1f} | this run"
                    f"{'' if att.ok else ': ' + att.note[:160]} |")
     for d in ds_cached:
@@ -258,6 +279,8 @@ def table(ours: list[Attempt], ds_cached: list[dict], compare: list[Attempt]) ->
         out.append(f"| DeepSpeed ZeRO-3 | {d['offload']} | {d['layers']} | {d['params'] / 1e9:.2f} | "
                    f"{'yes' if d['ok'] else 'NO'} | {steady} | {d.get('peak_mem_gib', '-')} | "
                    f"{d.get('disk_gib', '-')} | {d['source']} |")
+    out += ["", "Peak memory: this run's rows are the summed PSS of the job's processes; cached rows are what their "
+                "source measured."]
     largest_ours = max((a.params for a in ours if a.ok), default=0)
     largest_ds = max((d["params"] for d in ds_cached if d["ok"]), default=0)
     if largest_ours and largest_ds:
@@ -297,23 +320,27 @@ def main(argv: list[str] | None = None) -> None:
         for item in a.rerun_deepspeed_capacity:
             size, _, offload = item.partition(":")
             att = run_deepspeed(layers_for(float(size)), offload or "nvme", a, a.out_dir)
-            cache["attempts"] = [d for d in cache["attempts"] if (d["layers"], d["offload"]) != (att.layers, offload)]
+            # A new measurement replaces this script's earlier one; figures from other sources stay.
+            cache["attempts"] = [d for d in cache["attempts"] if (d["layers"], d["offload"]) != (att.layers, offload)
+                                 or not d["source"].startswith("measured by max_scale.py")]
             cache["attempts"].append({"offload": att.offload, "layers": att.layers, "params": att.params,
                                       "ok": att.ok, "s_per_step": _fmt_s(att.steady_s),
                                       "peak_mem_gib": round(att.peak_mem_gib, 1),
                                       "disk_gib": round(att.peak_disk_gib, 1), "deepspeed": version, **box,
-                                      "source": f"measured by max_scale.py {started:%Y-%m-%d}"})
+                                      "source": f"measured by max_scale.py {started:%Y-%m-%d}"
+                                                + ("" if att.ok else f" ({att.note[:120]})")})
             save_cache(cache)
 
     ours = []
     for size in a.ours_sizes:
         print(f"[max_scale] ours at {size}B ({layers_for(size)} layers)", flush=True)
-        ours.append(run_ours(layers_for(size), a, a.out_dir))
+        ours.append(run_ours(layers_for(size), "auto", a, a.out_dir))
     compare = []
     if a.compare_size > 0:
         layers = layers_for(a.compare_size)
         print(f"[max_scale] s/step at {a.compare_size}B ({layers} layers): ours, then DeepSpeed", flush=True)
-        compare = [run_ours(layers, a, a.out_dir), run_deepspeed(layers, "nvme", a, a.out_dir)]
+        compare = [run_ours(layers, "nvme", a, a.out_dir, cache_rate=0.0), run_ours(layers, "nvme", a, a.out_dir),
+                   run_deepspeed(layers, "nvme", a, a.out_dir)]
 
     ds_rows = sorted(cache["attempts"], key=lambda d: (d["offload"], d["layers"]))
     report = table(ours, ds_rows, compare)

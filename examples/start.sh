@@ -11,33 +11,23 @@
 #   TP, PP (parallel sizes)   MBS, GBS (micro / global batch)   SEQ_LEN   TRAIN_ITERS   LR
 #   DATA_PATH (preprocessed prefix; default: build the sample corpus)   SAVE_DIR (checkpoints; also resumes)
 #   DS_CONFIG (DeepSpeed-style JSON: trains through the zero_cache engine)   EXTRA_ARGS (appended flags)
+#   PLAN_ARGS (extra memory-planner flags, e.g. "--host-memory-gib 24 --nvme-path /local_nvme")
+#
+# Before anything else the memory planner (tools/plan_memory.py) checks that SIZE fits this machine: a
+# size that does not is refused with the planner's message (exit 3). Every size but `default` then trains
+# through zero_cache ZeRO-3 with the planner's config and its micro-batch / recompute choice (DS_CONFIG
+# replaces the config); `default` trains with Megatron DDP as given.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 SIZE="${1:-default}"
-# name: layers hidden heads ffn micro-batch   (the table users pick from)
-read -r -d '' TABLE <<'TAB' || true
-default   6    256   8     1024   4
-125m      12   768   12    3072   8
-350m      24   1024  16    4096   8
-760m      24   1536  16    6144   4
-1.3b      24   2048  16    8192   4
-2.7b      32   2560  32    10240  2
-6.7b      32   4096  32    16384  1
-13b       40   5120  40    20480  1
-28        26   8192  128   32768  38
-55        68   8192  64    32768  10
-TAB
-
-print_table() {
-  echo "sizes (layers hidden heads ffn micro-batch):"
-  echo "$TABLE" | sed 's/^/  /'
-}
-if [ "$SIZE" = "list" ] || [ "$SIZE" = "-h" ] || [ "$SIZE" = "--help" ]; then print_table; exit 0; fi
-ROW="$(echo "$TABLE" | awk -v s="$SIZE" '$1==s')"
-if [ -z "$ROW" ]; then echo "unknown SIZE '$SIZE'"; print_table; exit 2; fi
-read -r _ LAYERS HIDDEN HEADS FFN TABLE_MBS <<<"$ROW"
+# Sizes (layers hidden heads ffn micro-batch) live in tools/model_sizes.py, shared with the memory planner.
+if [ "$SIZE" = "list" ] || [ "$SIZE" = "-h" ] || [ "$SIZE" = "--help" ]; then python3 tools/model_sizes.py list; exit 0; fi
+if ! ROW="$(python3 tools/model_sizes.py row "$SIZE" 2>/dev/null)"; then
+  echo "unknown SIZE '$SIZE'"; python3 tools/model_sizes.py list; exit 2
+fi
+read -r LAYERS HIDDEN HEADS FFN TABLE_MBS <<<"$ROW"
 
 source scripts/bootstrap.sh
 
@@ -53,9 +43,42 @@ fi
 TP="${TP:-1}"; PP="${PP:-1}"
 MBS="${MBS:-$TABLE_MBS}"
 DP=$(( NPROC / (TP * PP) ))
-GBS="${GBS:-$(( MBS * DP * 2 ))}"
-SEQ_LEN="${SEQ_LEN:-256}"
+SEQ_LEN="${SEQ_LEN:-$(python3 tools/model_sizes.py seq-length)}"
 if [ "$SIZE" = default ]; then TRAIN_ITERS="${TRAIN_ITERS:-100}"; LR="${LR:-1e-3}"; else TRAIN_ITERS="${TRAIN_ITERS:-1000}"; LR="${LR:-3e-4}"; fi
+
+# Memory plan: refuse a size that cannot fit before preparing data or starting processes.
+if [ -n "${HOSTFILE:-}" ]; then NNODES="$(awk '{sub(/#.*/, "")} /slots/ {n++} END {print n}' "$HOSTFILE")"; else NNODES=1; fi
+if [ "$BACKEND" = nccl ]; then PLAN_DEVICE=cuda; else PLAN_DEVICE=cpu; fi
+if [ -z "${DATA_PATH:-}" ]; then PLAN_VOCAB="${SAMPLE_VOCAB_SIZE:-8192}"; else PLAN_VOCAB=50257; fi
+# With SAVE_DIR the plan is kept next to the checkpoints and reused on resume (the chunk layout must not
+# change between runs); delete $SAVE_DIR/plan to plan again.
+if [ -n "${SAVE_DIR:-}" ]; then PLAN_DIR="$SAVE_DIR/plan"; mkdir -p "$PLAN_DIR"; else PLAN_DIR="$(mktemp -d "${TMPDIR:-/tmp}/ptm_plan.XXXXXX")"; fi
+if [ -f "$PLAN_DIR/model_args.txt" ] && [ -f "$PLAN_DIR/ds_config.json" ]; then
+  echo "[start.sh] reusing the memory plan in $PLAN_DIR"
+else
+  # shellcheck disable=SC2086
+  python tools/plan_memory.py --size "$SIZE" --seq-length "$SEQ_LEN" --micro-batch-size "$MBS" \
+    --nproc-per-node "$(( NPROC / NNODES ))" --nnodes "$NNODES" --tensor-model-parallel-size "$TP" \
+    --pipeline-model-parallel-size "$PP" --device "$PLAN_DEVICE" --vocab-size "$PLAN_VOCAB" $PREC \
+    --write-ds-config "$PLAN_DIR/ds_config.json" --write-args "$PLAN_DIR/model_args.txt" ${PLAN_ARGS:-} \
+    > "$PLAN_DIR/plan.txt" && PLAN_RC=0 || PLAN_RC=$?
+  if [ "$PLAN_RC" != 0 ]; then
+    cat "$PLAN_DIR/plan.txt"
+    echo "[start.sh] size $SIZE cannot be trained here (memory planner exit $PLAN_RC); nothing was started"
+    exit "$PLAN_RC"
+  fi
+  echo "[start.sh] $(tail -n 1 "$PLAN_DIR/plan.txt") (plan: $PLAN_DIR)"
+fi
+if [ "$SIZE" = default ]; then
+  MODEL_ARGS=(--num-layers "$LAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$HEADS" --ffn-hidden-size "$FFN"
+              --seq-length "$SEQ_LEN" --max-position-embeddings "$SEQ_LEN" --micro-batch-size "$MBS")
+else
+  # The planned model flags: micro-batch possibly lowered, recompute when needed.
+  mapfile -t MODEL_ARGS < "$PLAN_DIR/model_args.txt"
+  for i in "${!MODEL_ARGS[@]}"; do [ "${MODEL_ARGS[$i]}" = --micro-batch-size ] && MBS="${MODEL_ARGS[$((i + 1))]}"; done
+  DS_CONFIG="${DS_CONFIG:-$PLAN_DIR/ds_config.json}"
+fi
+GBS="${GBS:-$(( MBS * DP * 2 ))}"
 
 # Data: the bundled sample corpus unless DATA_PATH is given.
 DATA_ARGS=()
@@ -68,9 +91,7 @@ else
 fi
 
 ARGS=(
-  --num-layers "$LAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$HEADS" --ffn-hidden-size "$FFN"
-  --seq-length "$SEQ_LEN" --max-position-embeddings "$SEQ_LEN"
-  --micro-batch-size "$MBS" --global-batch-size "$GBS"
+  "${MODEL_ARGS[@]}" --global-batch-size "$GBS"
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
   --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$(python -c "print($LR/10)")" --lr-decay-style cosine
   --lr-warmup-fraction 0.05 --weight-decay 0.1 --clip-grad 1.0

@@ -63,7 +63,7 @@ class ParamCoordinator:
         self.on_backward_activity = on_backward_activity
         self.chunk_of = {id(s.param): c.index for c in chunks if not c.plan.resident for s in c.plan.slots}
         self.module_chunks: dict[nn.Module, list[int]] = {}
-        self.users = [0] * len(chunks)
+        self.users = [0] * len(chunks)  # modules whose forward is running, per chunk
         self.inflight: dict[int, Handle] = {}
         self.live_numel = 0  # elements gathered or being gathered
         self.gathered_bytes = 0
@@ -171,6 +171,13 @@ class ParamCoordinator:
         if c in self.staged:
             self.store.release([self.staged.pop(c)])
 
+    def chunk_done(self, c: int) -> None:
+        """All of chunk ``c``'s gradients of this backward pass exist: no module using it is running (this is
+        called from a gradient hook), so a user count left by a recomputation that activation checkpointing
+        stopped early (torch's default: the post-forward hook never runs) is cleared, and ``c`` released."""
+        self.users[c] = 0
+        self.maybe_release(c)
+
     def maybe_release(self, c: int) -> None:
         chunk = self.chunks[c]
         if chunk.plan.resident or self.users[c] > 0 or not chunk.gathered or self._reused_soon(c):
@@ -194,6 +201,7 @@ class ParamCoordinator:
             self._wait(c)
         for c in list(self.ssd_reads):  # read ahead for a step that went another way
             self.store.release(self.ssd_reads.pop(c).wait())
+        self.users = [0] * len(self.chunks)
         for c, chunk in enumerate(self.chunks):
             if not chunk.plan.resident and chunk.gathered:
                 self._free(c)

@@ -106,7 +106,7 @@ class ZeroEngine:
             self.chunks, self.comm, self.store, mode="full" if z.stage == 1 else "shard",
             max_events=z.max_param_reduce_events, tied_groups={chunk_of[id(p)]: g for p, g in tied},
             on_backward_activity=self._on_backward_activity,
-            on_chunk_done=self.coordinator.maybe_release if self.coordinator else None,
+            on_chunk_done=self.coordinator.chunk_done if self.coordinator else None,
             norm_ranges=self._norm_ranges)
         self.optimizer = ShardedAdam(self.chunks, self.sub_groups, self.groups, lr=hp.lr, betas=hp.betas,
                                      eps=hp.eps, decoupled=cfg.optimizer.type == "AdamW",

@@ -15,11 +15,14 @@ The end of every backward pass (an autograd final callback) flushes chunks with 
 gradients (unused parameters), waits for the in-flight reductions and lets the coordinator release
 gathered chunks. Every backward pass is self-contained, so 1F1B interleaving of micro-batches is fine.
 
+A step's first reduction of a chunk overwrites its gradient shard (so no pass zeroes the shards between
+steps); a shard that got no gradient in a step is zeroed before the step.
+
 Gradient shards on SSD (placement puts them there when the host cannot hold them): the first reduction of
 a step writes ``result / N`` into a staging buffer and on to the page file (asynchronously, one write in
 flight); later micro-batches read, add and write. The norm statistics of each shard are taken while it is
 in memory, so the step never reads gradients just to compute the norm; the optimizer reads them with the
-other states. A shard that got no gradient in a step is written as zeros before the step.
+other states.
 """
 from __future__ import annotations
 
@@ -72,7 +75,7 @@ class GradReducer:
         self.written: dict[int, set[int]] = {}  # shard mode: slots of a fresh buffer that hold a gradient
         self.norm_ranges = norm_ranges
         self.on_ssd = ["grad" in c.swapped for c in chunks]
-        self.fresh = [True] * len(chunks)  # SSD shard not written this step (its file holds stale values)
+        self.fresh = [True] * len(chunks)  # shard not written this step (holds the last step's values)
         self.ssd_stats: dict[int, torch.Tensor] = {}  # SSD shard -> norm_stats of its accumulated value
         self.ssd_writes: deque = deque()
         self.pending: deque = deque()
@@ -134,8 +137,13 @@ class GradReducer:
     def _accumulate(self, c: int, value: torch.Tensor, scale: float) -> None:
         """Add ``value * scale`` into chunk ``c``'s fp32 gradient shard, wherever it lives."""
         chunk = self.chunks[c]
-        if not self.on_ssd[c]:
-            chunk.grad.add_(value.to(device=chunk.grad.device, dtype=torch.float32), alpha=scale)
+        if not self.on_ssd[c]:  # the step's first result overwrites: no zeroing pass over the shards
+            value = value.to(device=chunk.grad.device, dtype=torch.float32)
+            if self.fresh[c]:
+                torch.mul(value, scale, out=chunk.grad)
+                self.fresh[c] = False
+            else:
+                chunk.grad.add_(value, alpha=scale)
             return
         key = chunk.state_key("grad")
         value = value.to(device="cpu", dtype=torch.float32)
@@ -178,10 +186,15 @@ class GradReducer:
                 self.comm.reduce_scatter(out, buf, tag=f"chunk{c}")
                 self._accumulate(c, out, 1.0 / self.comm.size)
                 buf.zero_()
-        for c in range(len(self.chunks)):  # SSD shards without a gradient this step hold last step's values
-            if self.on_ssd[c] and self.fresh[c]:
+        for c in range(len(self.chunks)):  # shards without a gradient this step hold last step's values
+            if not self.fresh[c]:
+                continue
+            if self.on_ssd[c]:
                 (grad,) = self.store.staging([self.chunks[c].state_key("grad")])
                 self._write_ssd_grad(c, grad.zero_())
+            else:
+                self.chunks[c].grad.zero_()
+                self.fresh[c] = False
         self._drain_ssd_writes()
         for c, group in self.tied_groups.items():
             if not self.on_ssd[c]:
@@ -200,10 +213,6 @@ class GradReducer:
         return norm_stats(self.chunks[c].grad, self.norm_ranges[c])
 
     def new_step(self) -> None:
-        """The step consumed (or discarded) the gradients: host shards are zeroed, SSD shards overwritten."""
-        for c, chunk in enumerate(self.chunks):
-            if self.on_ssd[c]:
-                self.fresh[c] = True
-            else:
-                chunk.grad.zero_()
+        """The step consumed (or discarded) the gradients: the next step's first results overwrite them."""
+        self.fresh = [True] * len(self.chunks)
         self.ssd_stats.clear()

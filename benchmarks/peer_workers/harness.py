@@ -48,6 +48,7 @@ class BenchSpec:
     sub_group_size: int = 1_000_000_000
     untie_embeddings: bool = False
     recompute: bool = False
+    param_buffer_size: int = 0  # offload_param.buffer_size for nvme (DeepSpeed: >= the largest parameter)
 
     @classmethod
     def load(cls, path: str) -> "BenchSpec":
@@ -73,6 +74,8 @@ class BenchSpec:
                 where["nvme_path"] = self.nvme_path
             zero["offload_optimizer"] = dict(where)
             zero["offload_param"] = dict(where)
+            if self.param_buffer_size:
+                zero["offload_param"]["buffer_size"] = self.param_buffer_size
         return {
             "train_batch_size": self.global_batch,
             "train_micro_batch_size_per_gpu": self.micro_batch,

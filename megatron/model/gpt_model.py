@@ -29,10 +29,25 @@ from megatron.model.transformer import TransformerBlock, build_norm
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 
-def _initialized(shape: tuple[int, ...], init) -> torch.Tensor:
-    t = torch.empty(shape, dtype=torch.float32, device="cpu")
-    init(t)
-    return t
+class PositionEmbedding(nn.Module):
+    """Learned absolute positions. Initialised inside its own ``__init__`` (like every layer here), so
+    frameworks that shard each module as it is created (DeepSpeed's zero.Init) see the initial values."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        shape = (config.max_position_embeddings, config.hidden_size)
+        self.weight = nn.Parameter(torch.empty(shape))
+        init = config.init_method("embedding.position_embeddings.weight")
+
+        def make() -> torch.Tensor:
+            t = torch.empty(shape, dtype=torch.float32, device="cpu")
+            init(t)
+            return t
+
+        init_or_defer(self.weight, make)
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(position_ids, self.weight)
 
 
 def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
@@ -50,10 +65,7 @@ class Embedding(nn.Module):
                                                       init_method=config.init_method(WORD_EMBEDDING))
         self.learned_positions = config.position_embedding_type == "learned_absolute"
         if self.learned_positions:
-            self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-            shape, init = (config.max_position_embeddings, config.hidden_size), \
-                config.init_method("embedding.position_embeddings.weight")
-            init_or_defer(self.position_embeddings.weight, lambda: _initialized(shape, init))
+            self.position_embeddings = PositionEmbedding(config)
         self.dropout = config.hidden_dropout
 
     def forward(self, tokens, position_ids):

@@ -28,6 +28,7 @@ def test_default_run_trains_on_the_sample_corpus(tmp_path):
            "EVAL_ITERS": "1", "SAVE_DIR": str(tmp_path / "ckpt"), "SAVE_INTERVAL": "2"}
     proc = _run(env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"^\[start.sh\] fits: default GPT", proc.stdout, re.M)  # the memory planner was consulted
     losses = [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", proc.stdout)]
     assert len(losses) == 2 and all(0 < x < 20 for x in losses)
     assert "validation loss at iteration 4" in proc.stdout
@@ -35,5 +36,21 @@ def test_default_run_trains_on_the_sample_corpus(tmp_path):
     assert (ROOT / "data" / "sample" / "corpus_text_document.idx").is_file()
     proc = _run(env={**env, "TRAIN_ITERS": "6"})  # resumes at 4
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"[start.sh] reusing the memory plan in {tmp_path / 'ckpt' / 'plan'}" in proc.stdout
     assert "starting at iteration 4" in proc.stdout
     assert re.search(r"iteration\s+6/\s+6", proc.stdout)
+
+
+def test_size_that_cannot_fit_is_refused_before_anything_starts():
+    """start.sh 55 on a 24 GiB CPU node (given explicitly, so the test does not depend on this machine)."""
+    import time
+
+    t0 = time.monotonic()
+    proc = _run("55", env={"NPROC": "2", "PLAN_ARGS": "--host-memory-gib 24 --nvme-free-gib 70"}, timeout=300)
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"^does not fit: 55 GPT 54\.\d\dB parameters \(68 layers", proc.stdout, re.M)
+    assert re.search(r"the largest examples/start.sh size that fits: \S+", proc.stdout)
+    assert "the requested model needs (states on SSD)" in proc.stdout
+    assert "[start.sh] size 55 cannot be trained here (memory planner exit 3); nothing was started" in proc.stdout
+    assert "[start.sh] size=" not in proc.stdout and "> model:" not in proc.stdout  # no training was launched
+    assert time.monotonic() - t0 < 120
