@@ -213,8 +213,9 @@ def run_deepspeed(layers: int, offload: str, a, out_dir: str) -> Attempt:
                      seed=1234, page_size=26_000_000, threads=a.threads, offload_device=offload,
                      nvme_path=a.nvme_path, sub_group_size=10_000_000, untie_embeddings=True, recompute=True,
                      # DeepSpeed's parameter swap buffers (5 of them) must each hold the largest parameter
-                     # (the 65.5M-element embedding); its default, 1e8 elements, costs 2 GB per rank.
-                     param_buffer_size=VOCAB * HIDDEN)
+                     # (the 65.5M-element embedding); its default, 1e8 elements, costs 2 GB per rank. And
+                     # max_in_cpu (default 1e9 elements: 4 GB per rank) keeps parameters in RAM besides.
+                     param_buffer_size=VOCAB * HIDDEN, param_max_in_cpu=0)
     spec_path = os.path.join(job, "spec.json")
     spec.save(spec_path)
     att.log = os.path.join(job, "log.txt")

@@ -210,10 +210,3 @@ def place_states(plans: list[ChunkPlan], sub_groups: list[list[int]], cfg: ZeroC
             raise ConfigError(f"zero_cache: model states need {need} bytes on the {tier} tier but its budget is "
                               f"{budgets[tier]} bytes; {fixes[tier]}")
     return placed
-
-
-def place_sub_groups(plans: list[ChunkPlan], sub_groups: list[list[int]], cfg: ZeroCacheConfig,
-                     dtype: torch.dtype, device: torch.device, budgets: dict[str, int]) -> tuple[list[str], int]:
-    """(optimizer tier of every chunk, host staging bytes) of ``place_states``."""
-    placed = place_states(plans, sub_groups, cfg, dtype, device, budgets)
-    return placed.opt_tiers, placed.staging

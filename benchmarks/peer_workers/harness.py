@@ -49,6 +49,7 @@ class BenchSpec:
     untie_embeddings: bool = False
     recompute: bool = False
     param_buffer_size: int = 0  # offload_param.buffer_size for nvme (DeepSpeed: >= the largest parameter)
+    param_max_in_cpu: int = -1  # offload_param.max_in_cpu for nvme (DeepSpeed keeps that many elements in RAM)
 
     @classmethod
     def load(cls, path: str) -> "BenchSpec":
@@ -76,6 +77,8 @@ class BenchSpec:
             zero["offload_param"] = dict(where)
             if self.param_buffer_size:
                 zero["offload_param"]["buffer_size"] = self.param_buffer_size
+            if self.param_max_in_cpu >= 0:
+                zero["offload_param"]["max_in_cpu"] = self.param_max_in_cpu
         return {
             "train_batch_size": self.global_batch,
             "train_micro_batch_size_per_gpu": self.micro_batch,
