@@ -24,8 +24,9 @@ from megatron.core.parallel_state import ParallelConfigError
 from megatron.training.arguments import ConfigError as MegatronConfigError
 from megatron.training.arguments import _add_model_args, transformer_config_from_args
 from tools.memory_planner import (DEFAULT_VOCAB_SIZE, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, EXIT_FITS, OFFLOADS, GiB,
-                                  Hardware, Mesh, Plan, Request, format_bytes, largest_layers, plan, with_layers)
+                                  Hardware, Plan, Request, format_bytes, largest_layers, plan, with_layers)
 from tools.model_sizes import DEFAULT_SEQ_LENGTH, SIZES, get_size
+from tools.planner_stages import Mesh
 from zero_cache.store import DEVICE, HOST, NVME, TIERS
 
 
