@@ -117,6 +117,15 @@ plot() {  # plot LOG PNG
   "$PY" tools/plot_run.py "$1" -o "$2" >/dev/null 2>&1 || NOTES+=("no plot for $1")
 }
 
+report_train() {  # report_train LOG NAME LABEL SECONDS: plot the run and add its row (figures, or the error)
+  plot "$1" "$WORK/$2.png"
+  [ "$DRY_RUN" = 0 ] || return 0
+  local fig
+  fig="$(figures "$1" "$2")"
+  [ "$RC" = 0 ] || fig="$(last_error "$1") | $fig"
+  add_row "$3" "$(status_of "$RC")" "$4" "$fig"
+}
+
 # ---- 1. CUDA-only tests ------------------------------------------------------------------------------
 log="$WORK/tests.log"
 run_stage "$log" "$T_TESTS" "$PY" -m pytest tests/cuda -q -rs
@@ -136,12 +145,7 @@ DENSE=(--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-
        --log-interval 5 --eval-iters 0 --num-workers 2)
 log="$WORK/dense.log"
 run_stage "$log" "$T_DENSE" "${TORCHRUN[@]}" pretrain_gpt.py "${DENSE[@]}"
-plot "$log" "$WORK/dense.png"
-if [ "$DRY_RUN" = 0 ]; then
-  fig="$(figures "$log" dense)"
-  [ "$RC" = 0 ] || fig="$(last_error "$log") | $fig"
-  add_row "2 dense 1.3B bf16 x20" "$(status_of "$RC")" "${SECS}s" "$fig"
-fi
+report_train "$log" dense "2 dense 1.3B bf16 x20" "${SECS}s"
 
 # ---- 3. the planner's largest model on this GPU + host + disk, 3 steps -------------------------------
 log="$WORK/maxscale.log"
@@ -163,12 +167,7 @@ if [ "$DRY_RUN" = 1 ] || [ ${#MAX_ARGS[@]} -gt 0 ]; then
             --lr 1e-4 --mock-data --tokenizer-type NullTokenizer --vocab-size 32000
             --log-interval 1 --eval-iters 0 --num-workers 2)
   run_stage "$log" "$left" "${TORCHRUN[@]}" pretrain_gpt.py "${MAXSCALE[@]}"
-  plot "$log" "$WORK/maxscale.png"
-  if [ "$DRY_RUN" = 0 ]; then
-    fig="$(figures "$log" maxscale)"
-    [ "$RC" = 0 ] || fig="$(last_error "$log") | $fig"
-    add_row "3 planner max-scale x3" "$(status_of "$RC")" "$((plan_secs + SECS))s" "$fig"
-  fi
+  report_train "$log" maxscale "3 planner max-scale x3" "$((plan_secs + SECS))s"
 else
   add_row "3 planner max-scale x3" "$(status_of "$plan_rc")" "${plan_secs}s" "planner: $(tail -n 1 "$log" | cut -c1-140)"
 fi

@@ -42,8 +42,9 @@ from dataclasses import asdict, dataclass, field
 import psutil
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path[:0] = [os.path.join(ROOT, "benchmarks"), ROOT]
 from peer_workers.harness import BenchSpec  # noqa: E402
+from tools.plot_run import LogParseError, parse_log  # noqa: E402
 
 PEERS_PYTHON = os.path.join(ROOT, "benchmarks", ".venv-peers", "bin", "python")
 CACHE = os.path.join(ROOT, "benchmarks", "max_scale_deepspeed.json")
@@ -193,12 +194,11 @@ def run_ours(layers: int, offload: str, a, out_dir: str, cache_rate: float | Non
 
 
 def _iteration_seconds(log_path: str) -> list[float]:
-    out = []
-    with open(log_path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if "elapsed time per iteration (ms):" in line:
-                out.append(float(line.split("elapsed time per iteration (ms):")[1].split("|")[0]) / 1e3)
-    return out
+    """Seconds of every logged iteration (the trainer logs each one here: --log-interval 1)."""
+    try:
+        return parse_log(log_path).step_time_s
+    except LogParseError:  # the job died before its first iteration
+        return []
 
 
 def run_deepspeed(layers: int, offload: str, a, out_dir: str) -> Attempt:

@@ -95,7 +95,6 @@ class ZeroEngine:
                                                         self.device, param_init, p.index in placed.grad_on_ssd)
                                             for p in self.plans]
         chunk_of = {id(s.param): c.index for c in self.chunks for s in c.plan.slots}
-        self._norm_ranges = _norm_ranges(self.chunks, param_in_grad_norm)
         self._callback_task = None
         self._backward_passes = 0  # this step's (the micro-batches actually run, for the comm theory)
         self.coordinator = None
@@ -107,7 +106,7 @@ class ZeroEngine:
             max_events=z.max_param_reduce_events, tied_groups={chunk_of[id(p)]: g for p, g in tied},
             on_backward_activity=self._on_backward_activity,
             on_chunk_done=self.coordinator.chunk_done if self.coordinator else None,
-            norm_ranges=self._norm_ranges)
+            norm_ranges=_norm_ranges(self.chunks, param_in_grad_norm))
         self.optimizer = ShardedAdam(self.chunks, self.sub_groups, self.groups, lr=hp.lr, betas=hp.betas,
                                      eps=hp.eps, decoupled=cfg.optimizer.type == "AdamW",
                                      pipeline=z.pipeline_optimizer, store=self.store)

@@ -94,8 +94,9 @@ class ShardedAdam:
     def step(self, grad_scale: float, delayed: bool = False) -> None:
         """One update of every shard; gradients are divided by ``grad_scale`` inside the kernel.
 
-        ``delayed`` (lock-free update, run on a background thread): read ``grad_spare`` (then zero it) and
-        write the updated parameters to ``pending`` instead of the parameter shards the next step reads."""
+        ``delayed`` (lock-free update, run on a background thread): read ``grad_spare`` (no zeroing: the next
+        step's first reductions overwrite it, see grad_reducer.py) and write the updated parameters to
+        ``pending`` instead of the parameter shards the next step reads."""
         aio = getattr(self.store, "aio", None) if any(c.swapped for c in self.chunks) else None
         if aio is not None and not self._early:
             aio.busy_seconds_and_reset()
@@ -120,7 +121,6 @@ class ShardedAdam:
                 if delayed:
                     for c in todo:
                         c.pending.copy_(c.master)
-                        c.grad_spare.zero_()
                     todo = []
                 on_ssd = [c for c in todo if "param" in c.swapped]  # bf16/fp16 parameter shards on SSD
                 if on_ssd:

@@ -272,8 +272,15 @@ def test_both_layouts_round_trip_and_consolidate(tmp_path, multi_slice):
     files = sorted(os.listdir(os.path.join(ckpt, "global_step2")))
     suffixes = ["", *(f".slice{k:05d}" for k in range(n))]
     assert files == sorted(f"zero_pp_rank_0_mp_rank_00_{k}_states{s}.pt" for k in ("model", "optim") for s in suffixes)
-    fresh = _engine(str(tmp_path / "nvme"), seed=1, depth=4, save_large_model_multi_slice=not multi_slice)
-    fresh.load_checkpoint(ckpt)  # the reader follows the files, not its own setting
+    # The reader follows the files, not its own setting.
+    _assert_reloads(tmp_path, ckpt, weights, losses, save_large_model_multi_slice=not multi_slice)
+
+
+def _assert_reloads(tmp_path, ckpt, weights, losses, **zero):
+    """A fresh engine (other init) loads ``ckpt``: same weights, same next step; consolidation equals too."""
+    fresh = _engine(str(tmp_path / "nvme"), seed=1, depth=4, **zero)
+    fresh.load_checkpoint(ckpt)
+    assert all(torch.equal(fresh.gather_state_dict()[k], v) for k, v in weights.items())
     assert _train(fresh, _data(3), 0, 1, [2]) == losses
     fresh.close()
     consolidate(ckpt, str(tmp_path / "out"))
@@ -293,14 +300,7 @@ def test_checkpoints_of_the_previous_format_still_load(tmp_path):
         meta["format"] = "zero_cache/1"
         meta.update({n: [t.clone() for t in torch.split(meta[n], shards)] for n in names})
         torch.save(meta, path)
-    fresh = _engine(str(tmp_path / "nvme"), seed=1, depth=4)
-    fresh.load_checkpoint(ckpt)
-    assert all(torch.equal(fresh.gather_state_dict()[k], v) for k, v in weights.items())
-    assert _train(fresh, _data(3), 0, 1, [2]) == losses
-    fresh.close()
-    consolidate(ckpt, str(tmp_path / "out"))
-    merged = load_consolidated(str(tmp_path / "out"))
-    assert all(torch.equal(merged[k], v) for k, v in weights.items())
+    _assert_reloads(tmp_path, ckpt, weights, losses)
 
 
 # ---- range I/O of the stores -----------------------------------------------------------------------------
