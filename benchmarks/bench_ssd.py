@@ -1,19 +1,25 @@
-"""SSD tier benchmark: page-file write/read GB/s against dd with O_DIRECT on the same disk, and optimizer
-step elements/s with the states on the host and on SSD against torch's fused AdamW. Prints a table.
+"""SSD tier benchmark: page-file write/read GB/s against dd with O_DIRECT and DeepSpeed's aio on the same
+disk, and optimizer step elements/s with the states on the host and on SSD against torch's fused AdamW and
+DeepSpeedCPUAdam, all in one run. Prints a table.
 
     python benchmarks/bench_ssd.py [--nvme-path /tmp] [--mib 512] [--shards 8] [--params 16e6] [--steps 3]
 
 1. I/O: ``--mib`` MiB split into ``--shards`` page files of zero_cache's SSDStore (O_DIRECT, CRC-32 per page)
    written (swap_out) and read back (swap_in) for each ``aio.intra_op_parallelism`` / ``block_size``
-   setting; the reference is ``dd bs=1M oflag=direct`` / ``iflag=direct`` of the same amount on the same disk.
-   For comparison (not run here): DeepSpeed aio measured on this disk wrote 1.96 GB/s and read 1.12 GB/s.
+   setting; the references are ``dd bs=1M oflag=direct`` / ``iflag=direct`` of the same amount on the same
+   disk, and DeepSpeed's aio library (``aio_handle``, the same files, threads and block size).
 2. Optimizer: a stack of 1024x1024 Linear layers (``--params`` parameters) through the zero_cache engine
    (stage 3, DP 1), states on the host (offload_optimizer cpu) and on SSD (nvme, pipelined and not), timing
-   ``engine.step()`` only; torch.optim.AdamW(fused=True) on the same parameters is the reference.
+   ``engine.step()`` only; torch.optim.AdamW(fused=True) and DeepSpeedCPUAdam (AdamW mode, its AVX kernel)
+   on the same parameter shapes are the references.
+
+DeepSpeed's rows run in the peers' venv (``source benchmarks/peers_env.sh`` once;
+``benchmarks/peer_workers/ds_ssd_step.py``); without it they are left out with a note.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -25,6 +31,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PEERS_PYTHON = os.path.join(ROOT, "benchmarks", ".venv-peers", "bin", "python")
 
 import zero_cache  # noqa: E402
 from zero_cache.config import AioConfig  # noqa: E402
@@ -62,6 +71,24 @@ def _store_io(root: str, mib: int, shards: int, threads: int, block: int) -> tup
     store.release(tensors)
     store.close()
     return w, r
+
+
+def _deepspeed(*args: str) -> dict | None:
+    """One DeepSpeed measurement in the peers' venv (None, with a note, when it is missing or fails)."""
+    if not os.path.exists(PEERS_PYTHON):
+        print("  DeepSpeed: peers' venv missing (source benchmarks/peers_env.sh); row left out", flush=True)
+        return None
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=os.path.join(ROOT, "benchmarks"),
+               OMP_NUM_THREADS=str(torch.get_num_threads()),  # the threads our rows use
+               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR",
+                                                   os.path.expanduser("~/.cache/ptm/torch_extensions")))
+    res = subprocess.run([PEERS_PYTHON, "-m", "peer_workers.ds_ssd_step", *args], capture_output=True, text=True,
+                         env=env, cwd=ROOT)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+    if res.returncode != 0 or not lines:
+        print(f"  DeepSpeed {args[0]} failed (exit {res.returncode}): {(res.stderr or res.stdout)[-400:]}", flush=True)
+        return None
+    return json.loads(lines[-1])
 
 
 def _model(params: float) -> nn.Module:
@@ -124,7 +151,11 @@ def main() -> None:
         print(f"[2/3] SSD tier threads={threads} block={block >> 20}MiB ({k + 1}/{len(settings)}) ...", flush=True)
         w, r = _store_io(args.nvme_path, args.mib, args.shards, threads, block)
         rows.append((f"zero_cache SSD tier, {threads} thr, {block >> 20} MiB blocks", f"{w:.2f}", f"{r:.2f}"))
-    rows.append(("DeepSpeed aio (reference, measured earlier)", "1.96", "1.12"))
+        ds = _deepspeed("io", "--path", args.nvme_path, "--mib", str(args.mib), "--shards", str(args.shards),
+                        "--threads", str(threads), "--block", str(block))
+        if ds is not None:
+            rows.append((f"DeepSpeed aio, {threads} thr, {block >> 20} MiB blocks", f"{ds['write_gbs']:.2f}",
+                         f"{ds['read_gbs']:.2f}"))
     print(f"\n{'I/O (' + str(args.mib) + ' MiB)':<48} {'write GB/s':>10} {'read GB/s':>10}")
     for name, w, r in rows:
         print(f"{name:<48} {w:>10} {r:>10}")
@@ -132,6 +163,9 @@ def main() -> None:
     print(f"\n[3/3] optimizer step, {args.params / 1e6:.0f}M params ...", flush=True)
     nvme = {"device": "nvme", "nvme_path": args.nvme_path}
     opt_rows = [("torch AdamW(fused=True), in memory", _torch_fused(args.params, args.steps), None)]
+    ds = _deepspeed("adam", "--params", str(args.params), "--steps", str(args.steps))
+    if ds is not None:
+        opt_rows.append(("DeepSpeedCPUAdam, in memory", ds["elements_per_s"], None))
     for name, offload, pipe in (("zero_cache, states on host", {"device": "cpu"}, True),
                                 ("zero_cache, states on SSD, pipelined", nvme, True),
                                 ("zero_cache, states on SSD, not pipelined", nvme, False)):

@@ -14,7 +14,9 @@ of embeddings). Every attempt trains 3 optimizer steps.
   fastest that fits for the capacity attempts, every state on SSD (``--offload nvme``) for the s/step
   comparison; its training log is kept for ``tools/plot_run.py``.
 - DeepSpeed: ``benchmarks/peer_workers`` (the same GPTModel built under ``deepspeed.zero.Init``) in the
-  peers' venv (``source benchmarks/peers_env.sh`` once), given the same offload JSON.
+  peers' venv (``source benchmarks/peers_env.sh`` once), given the same offload JSON with the planner's
+  memory-bounding ``stage3_*`` / ``reduce_bucket_size`` values for that size (DeepSpeed's defaults keep up
+  to 1e9 parameters gathered).
 - Capacity of DeepSpeed is not a noisy figure and an attempt takes ~15 minutes, so it is cached in
   ``benchmarks/max_scale_deepspeed.json`` with DeepSpeed's version and the machine's RAM and free disk;
   ``--rerun-deepspeed-capacity`` measures it again. The s/step comparison is always measured in this run.
@@ -32,6 +34,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -201,11 +204,29 @@ def _iteration_seconds(log_path: str) -> list[float]:
         return []
 
 
+# The zero_optimization keys both engines read that bound live memory: DeepSpeed gets the planner's values for
+# ours, not its defaults (stage3_max_live_parameters 1e9 keeps 4 GB of fp32 parameters gathered per rank).
+SHARED_ZERO_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
+                    "stage3_max_reuse_distance", "stage3_param_persistence_threshold")
+
+
+def shared_zero_keys(layers: int, a, out_dir: str) -> dict:
+    cfg, _, _ = plan_config(layers, a.nvme_path, out_dir, "nvme")
+    with open(cfg, encoding="utf-8") as f:
+        zero = json.load(f)["zero_optimization"]
+    return {k: zero[k] for k in SHARED_ZERO_KEYS if k in zero}
+
+
 def run_deepspeed(layers: int, offload: str, a, out_dir: str) -> Attempt:
     att = Attempt("deepspeed", offload, layers, params_of(layers))
     if not os.path.exists(PEERS_PYTHON):
         att.note = "peers' venv missing: run `source benchmarks/peers_env.sh` once"
         return att
+    try:
+        zero_keys = shared_zero_keys(layers, a, out_dir)
+    except RuntimeError as e:  # past our capacity the planner has no config: DeepSpeed keeps its defaults
+        print(f"  {e}; DeepSpeed runs with its default stage3_* keys", flush=True)
+        zero_keys = {}
     job = os.path.join(out_dir, f"deepspeed_{offload}_{layers}l")
     os.makedirs(job, exist_ok=True)
     spec = BenchSpec(layers=layers, hidden=HIDDEN, heads=HEADS, vocab=VOCAB, seq=SEQ, micro_batch=1,
@@ -215,7 +236,7 @@ def run_deepspeed(layers: int, offload: str, a, out_dir: str) -> Attempt:
                      # DeepSpeed's parameter swap buffers (5 of them) must each hold the largest parameter
                      # (the 65.5M-element embedding); its default, 1e8 elements, costs 2 GB per rank. And
                      # max_in_cpu (default 1e9 elements: 4 GB per rank) keeps parameters in RAM besides.
-                     param_buffer_size=VOCAB * HIDDEN, param_max_in_cpu=0)
+                     param_buffer_size=VOCAB * HIDDEN, param_max_in_cpu=0, zero_keys=zero_keys)
     spec_path = os.path.join(job, "spec.json")
     spec.save(spec_path)
     att.log = os.path.join(job, "log.txt")
@@ -225,6 +246,7 @@ def run_deepspeed(layers: int, offload: str, a, out_dir: str) -> Attempt:
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), DS_ACCELERATOR="cpu",
                PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "benchmarks"), ROOT]))
     rc, att.peak_mem_gib, att.peak_disk_gib = _run_job(cmd, att.log, a.nvme_path, a.timeout, env)
+    shutil.rmtree(os.path.join(a.nvme_path, "zero_stage_3"), ignore_errors=True)  # DeepSpeed leaves its swap files
     result = os.path.join(job, "result_rank0.json")
     if rc == 0 and os.path.exists(result):
         with open(result, encoding="utf-8") as f:

@@ -31,6 +31,7 @@ from tools.model_sizes import SIZES
 from tools.planner_stages import Mesh, StageModel, build_stage, representative_stages
 from zero_cache.aio import HEADER_BYTES, round_up
 from zero_cache.config import ConfigError, ZeroCacheConfig, parse_config
+from zero_cache.param_arena import region_numel
 from zero_cache.partition import ChunkPlan, plan_chunks, plan_sub_groups
 from zero_cache.placement import place_states
 from zero_cache.store import DEVICE, HOST, NVME, TIERS
@@ -118,7 +119,14 @@ def persistence_threshold(model_cfg: TransformerConfig) -> int:
     return 10 * model_cfg.hidden_size
 
 
-def ds_config(request: Request, option: Option, largest_chunk: int, budgets: dict[str, int] | None) -> dict:
+def arena_numel(partitioned: list[int], element_size: int) -> int:
+    """max_contigous_params_size: room for the chunk in use and the next one prefetched (two of the largest),
+    or for every partitioned chunk when they take less."""
+    regions = [region_numel(n, element_size) for n in partitioned]
+    return min(2 * max(regions, default=0), sum(regions))
+
+
+def ds_config(request: Request, option: Option, arena: int, budgets: dict[str, int] | None) -> dict:
     """The DeepSpeed-style JSON for the trainer (batch sizes and optimizer come from the Megatron flags)."""
     hw = request.hardware
     cuda = hw.device == "cuda"
@@ -133,7 +141,7 @@ def ds_config(request: Request, option: Option, largest_chunk: int, budgets: dic
         "stage3_param_persistence_threshold": persistence_threshold(request.model),
         "pipeline_optimizer": True,
         "prefetch_cache_sub_group_rate": option.rate,
-        "max_contigous_params_size": 2 * largest_chunk,
+        "max_contigous_params_size": arena or -1,
         "max_param_reduce_events": 1,
         "is_communication_time_profiling": False,
         "save_large_model_multi_slice": True,
@@ -231,13 +239,12 @@ def activation_bytes(cfg: TransformerConfig, micro_batch: int, tp: int, layers: 
     return int(in_flight * blocks * s * b * h * elem + k * per_layer)
 
 
-def non_state(request: Request, stage: StageModel, plans: list[ChunkPlan], option: Option) -> NonState:
+def non_state(request: Request, stage: StageModel, plans: list[ChunkPlan], option: Option, arena: int) -> NonState:
     cfg, mesh = request.model, request.mesh
     elem = request.dtype.itemsize
-    partitioned = [c.padded for c in plans if not c.resident]
     largest = max((c.padded for c in plans), default=0)
-    # The coordinator gathers a module's own chunks unconditionally and prefetches up to max_live elements.
-    gathered = min(sum(partitioned), option.max_live + max(partitioned, default=0)) * elem
+    # Gathered chunks are carved from the arena (max_contigous_params_size), allocated whole at start-up.
+    gathered = arena * elem
     # max_param_reduce_events reductions in flight, one chunk accumulating, one parameter's gradient.
     reduce = min(sum(c.padded for c in plans), 3 * largest) * elem
     in_flight = mesh.pp - stage.stage
@@ -314,8 +321,10 @@ class Planner:
             self._sub_groups[key] = plan_sub_groups(self.plans(page)[i], size)
         return self._sub_groups[key]
 
-    def largest_chunk(self, page: int) -> int:
-        return max((c.padded for plans in self.plans(page) for c in plans if not c.resident), default=0)
+    def arena(self, page: int) -> int:
+        """One arena size for every rank: the largest any pipeline stage needs."""
+        elem = self.request.dtype.itemsize
+        return max(arena_numel([c.padded for c in plans if not c.resident], elem) for plans in self.plans(page))
 
     def sub_group_sizes(self, page: int, offload: str = "none") -> list[int]:
         """Candidates, largest first: from about 10 sub-groups per stage down to one chunk each. With states
@@ -342,7 +351,7 @@ class Planner:
         return {DEVICE: int(DEVICE_SHARE * hw.device_memory), HOST: host, NVME: nvme}
 
     def parse(self, option: Option, budgets: dict[str, int] | None) -> tuple[dict, ZeroCacheConfig]:
-        raw = ds_config(self.request, option, self.largest_chunk(option.page), budgets)
+        raw = ds_config(self.request, option, self.arena(option.page), budgets)
         return raw, parse_config(raw, self.request.mesh.dp)
 
     def evaluate(self, option: Option, *, ignore_capacity: bool = False) -> Evaluation:
@@ -360,7 +369,7 @@ class Planner:
             cap = dict.fromkeys(cap, sys.maxsize // 4)
         _, cfg = self.parse(option, None)
         plans = self.plans(option.page)
-        nonstate = [non_state(self.request, s, p, option) for s, p in zip(self.stages, plans)]
+        nonstate = [non_state(self.request, s, p, option, self.arena(option.page)) for s, p in zip(self.stages, plans)]
         sgs = [self.sub_groups(option.page, i, option.sub_group_size) for i in range(len(self.stages))]
         dtype = self.request.dtype
         # The device-tier states do not depend on the host budget (what spills goes from the host to SSD).

@@ -18,6 +18,14 @@ Parameter shards on SSD (``offload_param.device = nvme``): a gather first reads 
 buffer (released when the gather completes). Read-ahead: while prefetching, the SSD reads of the chunks in
 the next window (another ``stage3_prefetch_bucket_size`` elements beyond the gathers in flight) are
 started, so by the time a chunk's gather is issued its shard is in memory.
+
+Arena (``max_contigous_params_size`` > 0): gathered chunks are regions of one preallocated buffer
+(``param_arena.py``), and they stay there after use as a cache, valid until the parameters change (the end of
+the step). A gather that does not fit evicts idle chunks by the trace, the one requested furthest in the future
+first (Belady's rule; the least recently used first while there is no trace). It never allocates more. A
+prefetch evicts only chunks needed after the one it fetches; a chunk in use (its module's forward is
+running, or its backward has not produced all its gradients) is never evicted. The arena replaces
+``stage3_max_live_parameters`` and the reuse rule as the bound on gathered memory.
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ from torch import nn
 
 from .comm import Comm, Handle
 from .config import ZeroConfig
+from .param_arena import ParamArena
 from .partition import FlatChunk
 from .store import ShardStore
 
@@ -75,6 +84,14 @@ class ParamCoordinator:
         self.pos = 0
         self.trace_ok = True
         self._hooks = []
+        self.arena: ParamArena | None = None
+        partitioned = [c for c in chunks if not c.plan.resident]
+        if zcfg.max_contigous_params_size > 0 and partitioned:
+            self.arena = ParamArena(zcfg.max_contigous_params_size, partitioned[0].full.dtype,
+                                    partitioned[0].full.device)
+        self.pinned: set[int] = set()  # chunks a running backward still reads (until all their gradients exist)
+        self._requests = 0
+        self._last_use = [0] * len(chunks)  # request count at each chunk's last request (LRU order)
 
     # ---- registration -------------------------------------------------------------------------------
     def register_model(self, model: nn.Module) -> None:
@@ -94,6 +111,13 @@ class ParamCoordinator:
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
             self._hooks.append(module.register_forward_hook(self._post_forward))
         self.module_chunks[module] = ids
+        if self.arena is not None:
+            need = sum(self.arena.need(self.chunks[c]) for c in ids)
+            if need > self.arena.numel:
+                raise ValueError(
+                    f"max_contigous_params_size {self.arena.numel} elements cannot hold the chunks one "
+                    f"{type(module).__name__} module uses at once ({need} elements); raise it to at least {need} "
+                    f"(2x that lets the next chunk be prefetched) or set -1 for plain allocations")
 
     # ---- hooks ------------------------------------------------------------------------------------------
     def _pre_forward(self, module, args):
@@ -118,7 +142,9 @@ class ParamCoordinator:
 
     def _pre_backward(self, module):
         self.on_backward_activity()
-        self.fetch(self.module_chunks[module])
+        ids = self.module_chunks[module]
+        self.pinned.update(ids)
+        self.fetch(ids)
 
     # ---- gather / release -------------------------------------------------------------------------------
     def fetch(self, ids: list[int]) -> None:
@@ -148,9 +174,14 @@ class ParamCoordinator:
         self.ssd_reads[c] = handle
         return True
 
-    def _issue(self, c: int) -> None:
+    def _issue(self, c: int, at: int | None = None) -> bool:
+        """Start gathering chunk ``c``: a demand fetch, or a prefetch of trace position ``at``, which gives up
+        (False) when the arena has no room for it."""
         chunk = self.chunks[c]
-        chunk.allocate_full()
+        if self.arena is None:
+            chunk.allocate_full()
+        elif not self._make_room(c, at):
+            return False
         src = chunk.param_shard
         if "param" in chunk.swapped:
             self._read_ahead(c, optional=False)
@@ -162,6 +193,52 @@ class ParamCoordinator:
         self.live_numel += chunk.plan.padded
         self.gathered_bytes += chunk.full_nbytes()
         self.gathered_peak = max(self.gathered_peak, self.gathered_bytes)
+        return True
+
+    def _make_room(self, c: int, at: int | None) -> bool:
+        """Place chunk ``c`` in the arena, evicting by the trace. A demand fetch whose chunks in use fill the
+        arena first waits for the gathers in flight (they become evictable), then fails with an error."""
+        waited = False
+        while not self.arena.place(self.chunks[c]):
+            victim = self._victim(c, at)
+            if victim is not None:
+                self._free(victim)
+            elif at is not None:
+                return False
+            elif self.inflight and not waited:
+                for other in list(self.inflight):
+                    self._wait(other)
+                waited = True
+            else:
+                in_use = sum(length for _, length in self.arena.region.values())
+                raise RuntimeError(
+                    f"max_contigous_params_size {self.arena.numel} elements: chunk {c} "
+                    f"({self.arena.need(self.chunks[c])} elements) does not fit beside the {in_use} elements of "
+                    f"chunks in use ({self.arena.largest_free()} free in one piece); raise it or set -1")
+        return True
+
+    def _victim(self, c: int, at: int | None) -> int | None:
+        """The placed chunk to evict for ``c``: idle, and requested furthest in the future (least recently used
+        on ties); for a prefetch of position ``at``, only a chunk not needed before it."""
+        best, best_key = None, None
+        for k in self.arena.region:
+            if k == c or k in self.inflight or self.users[k] > 0 or k in self.pinned:
+                continue
+            nxt = self._next_use(k)
+            if at is not None and nxt <= at:
+                continue
+            key = (nxt, -self._last_use[k])
+            if best_key is None or key > best_key:
+                best, best_key = k, key
+        return best
+
+    def _next_use(self, c: int) -> float:
+        """Trace position of ``c``'s next request (infinity: none, or no trace to go by)."""
+        if self.trace is None or not self.trace_ok:
+            return float("inf")
+        positions = self._trace_pos_of.get(c, [])
+        k = bisect.bisect_left(positions, self.pos)
+        return positions[k] if k < len(positions) else float("inf")
 
     def _wait(self, c: int) -> None:
         h = self.inflight.pop(c, None)
@@ -176,35 +253,47 @@ class ParamCoordinator:
         called from a gradient hook), so a user count left by a recomputation that activation checkpointing
         stopped early (torch's default: the post-forward hook never runs) is cleared, and ``c`` released."""
         self.users[c] = 0
+        self.pinned.discard(c)
         self.maybe_release(c)
 
     def maybe_release(self, c: int) -> None:
         chunk = self.chunks[c]
-        if chunk.plan.resident or self.users[c] > 0 or not chunk.gathered or self._reused_soon(c):
-            return
+        if (self.arena is not None or chunk.plan.resident or self.users[c] > 0 or not chunk.gathered
+                or self._reused_soon(c)):
+            return  # the arena keeps chunks cached until evicted
         self._free(c)
 
     def _free(self, c: int) -> None:
         chunk = self.chunks[c]
-        chunk.free_full()
+        if self.arena is not None:
+            self.arena.remove(chunk)
+            chunk.gathered = False
+        else:
+            chunk.free_full()
         self.live_numel -= chunk.plan.padded
         self.gathered_bytes -= chunk.full_nbytes()
 
     def release_idle(self) -> None:
         """End of a backward pass: release every gathered chunk nobody is using (reuse rule applies)."""
+        self.pinned.clear()
         for c in range(len(self.chunks)):
             self.maybe_release(c)
 
-    def end_step(self) -> None:
-        """Before the optimizer step: drop every gathered copy and settle the trace for the next step."""
+    def drop_gathered(self) -> None:
+        """The parameters are about to change (optimizer step, checkpoint load): free every gathered copy."""
         for c in list(self.inflight):
             self._wait(c)
         for c in list(self.ssd_reads):  # read ahead for a step that went another way
             self.store.release(self.ssd_reads.pop(c).wait())
         self.users = [0] * len(self.chunks)
+        self.pinned.clear()
         for c, chunk in enumerate(self.chunks):
             if not chunk.plan.resident and chunk.gathered:
                 self._free(c)
+
+    def end_step(self) -> None:
+        """Before the optimizer step: drop every gathered copy and settle the trace for the next step."""
+        self.drop_gathered()
         if self.trace is None or not self.trace_ok or self.pos != len(self.trace):
             self._set_trace(self.recording)
         self.recording = []
@@ -223,6 +312,8 @@ class ParamCoordinator:
 
     def _record(self, c: int) -> None:
         self.recording.append(c)
+        self._requests += 1
+        self._last_use[c] = self._requests
         if self.trace is not None and self.trace_ok:
             if self.pos < len(self.trace) and self.trace[self.pos] == c:
                 self.pos += 1
@@ -254,10 +345,9 @@ class ParamCoordinator:
             if not gathering:
                 if not self._read_ahead(c):
                     return  # staging reserve full: read the rest when gathers release buffers
-            elif self.live_numel + chunk.plan.padded > self.max_live:
-                gathering, budget = False, self.prefetch_numel
-            else:
-                self._issue(c)
+            elif ((self.arena is None and self.live_numel + chunk.plan.padded > self.max_live)
+                  or not self._issue(c, at=i)):
+                gathering, budget = False, self.prefetch_numel  # no room to gather: read ahead only
 
     def _reused_soon(self, c: int) -> bool:
         """True when the trace says ``c`` is requested again within ``stage3_max_reuse_distance`` elements."""

@@ -236,6 +236,8 @@ class ZeroEngine:
         if self.coordinator is not None:
             report.gathered_now = self.coordinator.gathered_bytes
             report.gathered_peak = self.coordinator.gathered_peak
+            if self.coordinator.arena is not None:
+                report.gathered_reserved = self.coordinator.arena.nbytes
         pool = getattr(self.store, "pool", None)
         if pool is not None:
             report.swap_buffers_now, report.swap_buffers_peak = pool.in_use, pool.peak_in_use
@@ -285,6 +287,8 @@ class ZeroEngine:
             return
         future, self._pending_update = self._pending_update, None
         future.result()
+        if self.coordinator is not None:
+            self.coordinator.drop_gathered()
         with torch.no_grad():
             for c in self.chunks:
                 if "param" in c.swapped:
@@ -337,6 +341,8 @@ class ZeroEngine:
                         load_optimizer_states: bool = True) -> tuple[str, dict]:
         """Restore this rank's shards; returns (tag directory, client_state)."""
         self.publish_update()
+        if self.coordinator is not None:
+            self.coordinator.drop_gathered()  # gathered copies (the arena caches them) would be stale
         return ckpt.load(self, load_dir, tag, load_optimizer_states)
 
     @property

@@ -29,6 +29,7 @@ class MemoryReport:
     by_kind_tier: dict[tuple[str, str], int] = field(default_factory=dict)
     gathered_now: int = 0
     gathered_peak: int = 0
+    gathered_reserved: int = 0  # the max_contigous_params_size arena, allocated once (0: none)
     swap_buffers_now: int = 0  # aligned host staging buffers of the SSD tier (in use), bytes
     swap_buffers_peak: int = 0
     param_staging_peak: int = 0  # host buffers of SSD parameter shards read for gathers (peak held)
@@ -46,8 +47,9 @@ class MemoryReport:
                                                     if tt == t) + "]" for t, v in self.by_tier.items())
         swap = (f"; SSD staging buffers now {self.swap_buffers_now / 2**20:.2f}MiB, peak "
                 f"{self.swap_buffers_peak / 2**20:.2f}MiB") if self.by_tier.get(NVME) else ""
+        arena = f" of a {self.gathered_reserved / 2**20:.2f}MiB arena" if self.gathered_reserved else ""
         return (f"model states {self.total / 2**20:.2f}MiB ({kinds}; {tiers}); gathered params now "
-                f"{self.gathered_now / 2**20:.2f}MiB, peak {self.gathered_peak / 2**20:.2f}MiB{swap}")
+                f"{self.gathered_now / 2**20:.2f}MiB, peak {self.gathered_peak / 2**20:.2f}MiB{arena}{swap}")
 
 
 class ShardStore(ABC):

@@ -50,6 +50,9 @@ class BenchSpec:
     recompute: bool = False
     param_buffer_size: int = 0  # offload_param.buffer_size for nvme (DeepSpeed: >= the largest parameter)
     param_max_in_cpu: int = -1  # offload_param.max_in_cpu for nvme (DeepSpeed keeps that many elements in RAM)
+    # zero_optimization keys both engines read (stage3_max_live_parameters, reduce_bucket_size, ...); empty:
+    # their defaults. Max-scale runs give DeepSpeed the values the planner chose for ours.
+    zero_keys: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
     def load(cls, path: str) -> "BenchSpec":
@@ -67,8 +70,9 @@ class BenchSpec:
         return self.global_batch // (self.micro_batch * world)
 
     def ds_config(self, world: int, offload: bool) -> dict:
-        """The one DeepSpeed-style JSON both ZeRO-3 engines (ours and DeepSpeed) are given; stage3_* at defaults."""
-        zero: dict = {"stage": 3, "allgather_bucket_size": self.page_size, "sub_group_size": self.sub_group_size}
+        """The one DeepSpeed-style JSON both ZeRO-3 engines (ours and DeepSpeed) are given."""
+        zero: dict = {"stage": 3, "allgather_bucket_size": self.page_size, "sub_group_size": self.sub_group_size,
+                      **self.zero_keys}
         if offload:
             where = {"device": self.offload_device, "pin_memory": False}
             if self.offload_device == "nvme":

@@ -1,6 +1,7 @@
 """Paths only a GPU reaches (skipped without one; benchmarks/gpu_check.sh runs them on a GPU machine):
 pinned host shards, NCCL collectives including group_all_reduce's host->device staging, the SSD tier
-behind a CUDA compute device, and pretrain_gpt.py --deepspeed on a GPU. fp32 with TF32 off throughout,
+behind a CUDA compute device, the gathered-parameter arena in device memory, and pretrain_gpt.py
+--deepspeed on a GPU. fp32 with TF32 off throughout,
 compared with a single-process fp32 reference on the same GPU."""
 from __future__ import annotations
 
@@ -183,6 +184,19 @@ def test_ssd_tier_on_cuda_matches_fp32_reference(reference, tmp_path):
     assert report.by_kind_tier.get(("optimizer", "nvme"), 0) > 0 and report.by_kind_tier.get(("params", "nvme"), 0) > 0
     assert swap.bytes_read > 0 and swap.bytes_written > 0
     assert not os.path.exists(swap_dir)  # page files removed at close
+
+
+def test_param_arena_on_device_matches_fp32_reference(reference):
+    """max_contigous_params_size on CUDA: two chunks' worth of device memory, evicted by the trace."""
+    ref_losses, ref_weights = reference
+    _, engine = _engine(ds_config(3, 1, max_contigous_params_size=2304))
+    losses = train_engine(engine, batches(STEPS).to(CUDA), 0, 1)
+    arena = engine.coordinator.arena
+    weights = engine.gather_state_dict()
+    engine.close()
+    assert arena.buffer.device.type == "cuda" and arena.peak_used <= arena.numel
+    assert_close_losses(losses, ref_losses)
+    assert_close_weights(weights, ref_weights, atol=WEIGHT_TOL, rtol=WEIGHT_TOL)
 
 
 def _train_on_gpu(rank: int, world_size: int, argv: list[str]) -> dict:
