@@ -1,8 +1,8 @@
 """The largest GPT one machine trains, ours against DeepSpeed ZeRO-3, and s/step at a common size.
 
-    python benchmarks/max_scale.py --nvme-path /tmp/zc_maxscale              # ours at 3.6B + both at 1.04B
-    python benchmarks/max_scale.py --ours-sizes 3.6 4.0 --compare-size 1.04  # more capacity attempts
-    python benchmarks/max_scale.py --rerun-deepspeed-capacity 0.74:cpu 1.04:nvme 1.79:nvme   # ~15 min each
+    python benchmarks/max_scale.py --nvme-path /tmp/zc_maxscale              # ours at 5.0B + both at 1.04B
+    python benchmarks/max_scale.py --ours-sizes 3.6 5.0 --compare-size 1.04  # more capacity attempts
+    python benchmarks/max_scale.py --rerun-deepspeed-capacity 0.74:cpu 2.5:nvme 2.7:nvme   # ~15 min each
 
 The family is the one the capacity figures of issue 7 were measured on: GPT, hidden 2048, 16 heads, FFN 4x,
 vocabulary 32000 with an untied output layer, sequence 256, micro-batch 1, 2 ranks on gloo, fp32, full
@@ -325,7 +325,7 @@ def table(ours: list[Attempt], ds_cached: list[dict], compare: list[Attempt]) ->
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nvme-path", default="/tmp/zc_maxscale", help="directory on the SSD for both systems' swap")
-    p.add_argument("--ours-sizes", type=float, nargs="*", default=[3.6], help="capacity attempts, billions")
+    p.add_argument("--ours-sizes", type=float, nargs="*", default=[5.0], help="capacity attempts, billions")
     p.add_argument("--compare-size", type=float, default=1.04, help="s/step comparison size, billions (0: skip)")
     p.add_argument("--rerun-deepspeed-capacity", nargs="*", default=None, metavar="BILLIONS:OFFLOAD",
                    help="measure DeepSpeed's capacity attempts again (e.g. 0.74:cpu 1.79:nvme) and update the cache")
