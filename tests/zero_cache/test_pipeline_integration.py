@@ -39,16 +39,20 @@ def _pipeline(rank, world_size):
     pp_rank, dp_rank = divmod(rank, DP)
     dp_groups = [dist.new_group([p * DP + d for d in range(DP)]) for p in range(PP)]
     pp_groups = [dist.new_group([p * DP + d for p in range(PP)]) for d in range(DP)]
-    return {stage: _train_stage(rank, stage, dp_groups[pp_rank], pp_groups[dp_rank]) for stage in (2, 3)}
+    out = {stage: _train_stage(rank, stage, dp_groups[pp_rank], pp_groups[dp_rank]) for stage in (2, 3)}
+    # Stage 3 with a max_contigous_params_size arena of two chunks: with every micro-batch's forward in flight
+    # before the backwards, chunks are evicted and re-gathered while autograd holds views of them.
+    out["3-arena"] = _train_stage(rank, 3, dp_groups[pp_rank], pp_groups[dp_rank], max_contigous_params_size=2304)
+    return out
 
 
-def _train_stage(rank, zero_stage, dp_group, pp_group):
+def _train_stage(rank, zero_stage, dp_group, pp_group, **zero):
     pp_rank, dp_rank = divmod(rank, DP)
     full = make_model()
     stage = FirstStage(full) if pp_rank == 0 else LastStage(full)
     tied = stage.embed.weight if pp_rank == 0 else stage.word_embeddings
     engine = zero_cache.initialize(
-        model=stage, config=ds_config(zero_stage, DP), dp_group=dp_group, model_parallel_group=pp_group,
+        model=stage, config=ds_config(zero_stage, DP, **zero), dp_group=dp_group, model_parallel_group=pp_group,
         param_in_grad_norm=lambda p: pp_rank == 0 or p is not tied, tied_param_groups=[(tied, pp_group)])
     if pp_rank == 1:
         engine.register_external_parameter(stage.head, stage.word_embeddings)
@@ -99,6 +103,6 @@ def _check(results):
 
 
 def test_pipeline_stages_2_and_3_match_reference():
-    results = run_distributed(_pipeline, PP * DP, timeout=240)
-    for zero_stage in (2, 3):
-        _check([r[zero_stage] for r in results])
+    results = run_distributed(_pipeline, PP * DP, timeout=300)
+    for variant in (2, 3, "3-arena"):
+        _check([r[variant] for r in results])
