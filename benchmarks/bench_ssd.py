@@ -30,12 +30,11 @@ import time
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PEERS_PYTHON = os.path.join(ROOT, "benchmarks", ".venv-peers", "bin", "python")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 
 import zero_cache  # noqa: E402
+from peer_workers.harness import PEERS_PYTHON, ROOT, worker_env  # noqa: E402
 from zero_cache.config import AioConfig  # noqa: E402
 from zero_cache.ssd_store import SSDStore  # noqa: E402
 
@@ -78,12 +77,8 @@ def _deepspeed(*args: str) -> dict | None:
     if not os.path.exists(PEERS_PYTHON):
         print("  DeepSpeed: peers' venv missing (source benchmarks/peers_env.sh); row left out", flush=True)
         return None
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=os.path.join(ROOT, "benchmarks"),
-               OMP_NUM_THREADS=str(torch.get_num_threads()),  # the threads our rows use
-               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR",
-                                                   os.path.expanduser("~/.cache/ptm/torch_extensions")))
     res = subprocess.run([PEERS_PYTHON, "-m", "peer_workers.ds_ssd_step", *args], capture_output=True, text=True,
-                         env=env, cwd=ROOT)
+                         env=worker_env(torch.get_num_threads()), cwd=ROOT)  # the threads our rows use
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
     if res.returncode != 0 or not lines:
         print(f"  DeepSpeed {args[0]} failed (exit {res.returncode}): {(res.stderr or res.stdout)[-400:]}", flush=True)

@@ -46,10 +46,9 @@ import psutil
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "benchmarks"), ROOT]
-from peer_workers.harness import BenchSpec  # noqa: E402
+from peer_workers.harness import PEERS_PYTHON, BenchSpec, worker_env  # noqa: E402
 from tools.plot_run import LogParseError, parse_log  # noqa: E402
 
-PEERS_PYTHON = os.path.join(ROOT, "benchmarks", ".venv-peers", "bin", "python")
 CACHE = os.path.join(ROOT, "benchmarks", "max_scale_deepspeed.json")
 HIDDEN, HEADS, FFN, VOCAB, SEQ, RANKS, STEPS = 2048, 16, 8192, 32000, 256, 2, 3
 PER_LAYER = 12 * HIDDEN * HIDDEN + 13 * HIDDEN  # attention + MLP matrices, biases, two LayerNorms
@@ -243,8 +242,7 @@ def run_deepspeed(layers: int, offload: str, a, out_dir: str) -> Attempt:
     cmd = [PEERS_PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
            "-m", "peer_workers.worker", "--impl", "deepspeed", "--offload", "--system", f"deepspeed-{offload}",
            "--spec", spec_path, "--out-dir", job]
-    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), DS_ACCELERATOR="cpu",
-               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "benchmarks"), ROOT]))
+    env = worker_env(a.threads)
     rc, att.peak_mem_gib, att.peak_disk_gib = _run_job(cmd, att.log, a.nvme_path, a.timeout, env)
     shutil.rmtree(os.path.join(a.nvme_path, "zero_stage_3"), ignore_errors=True)  # DeepSpeed leaves its swap files
     result = os.path.join(job, "result_rank0.json")
@@ -261,7 +259,7 @@ def deepspeed_version() -> str:
     if not os.path.exists(PEERS_PYTHON):
         return "not installed"
     res = subprocess.run([PEERS_PYTHON, "-c", "import deepspeed; print(deepspeed.__version__)"],
-                         capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+                         capture_output=True, text=True, env=worker_env(1))
     return res.stdout.strip().splitlines()[-1] if res.returncode == 0 and res.stdout.strip() else "unknown"
 
 

@@ -31,10 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from peer_workers.harness import BenchSpec
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PEERS_VENV_PYTHON = os.path.join(ROOT, "benchmarks", ".venv-peers", "bin", "python")
+from peer_workers.harness import PEERS_PYTHON, ROOT, BenchSpec, worker_env
 PRESETS = {  # layers, hidden, heads, vocab
     "tiny": (2, 256, 4, 8192),
     "100m": (12, 768, 12, 32000),
@@ -136,7 +133,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "3); default: DeepSpeed's and the engine's default 5e8")
     p.add_argument("--systems", nargs="+", choices=list(BY_KEY), default=list(BY_KEY), metavar="SYSTEM",
                    help=f"which rows to run, of: {' '.join(BY_KEY)} (default: all)")
-    p.add_argument("--peers-python", default=os.environ.get("PEERS_PYTHON", PEERS_VENV_PYTHON),
+    p.add_argument("--peers-python", default=os.environ.get("PEERS_PYTHON", PEERS_PYTHON),
                    help="python of the peers' venv (DeepSpeed); made by benchmarks/peers_env.sh")
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds over all systems (pooled per system): evens out load from other work on the machine")
@@ -159,15 +156,6 @@ def make_spec(a: argparse.Namespace) -> BenchSpec:
                      vocab=a.vocab or vocab, seq=a.seq, micro_batch=a.micro_batch, global_batch=a.global_batch,
                      steps=a.steps, warmup=a.warmup, lr=a.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad,
                      seed=a.seed, page_size=a.page_size, threads=a.threads)
-
-
-def worker_env(threads: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
-    env["OMP_NUM_THREADS"] = str(threads)
-    env.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator
-    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/ptm/torch_extensions"))  # cpu_adam build
-    return env
 
 
 # Log lines that name a crash without a Python exception (a rank killed by a signal), most telling first.

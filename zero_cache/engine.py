@@ -181,7 +181,7 @@ class ZeroEngine:
             coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
             if self._update_thread is None:
                 self.optimizer.step(grad_scale=scale / coef)
-                self.refresh_resident_params()
+                self.params_changed()
                 refreshes = 1
             else:
                 refreshes = int(self._pending_update is not None)  # publish_update gathers only then
@@ -219,8 +219,12 @@ class ZeroEngine:
         sq, bad = stats.tolist()
         return sq, bool(bad > 0 or not math.isfinite(sq))
 
-    def refresh_resident_params(self) -> None:
-        """Resident chunks (after an update or a load): every rank updated its slice; all-gather the slices back into the full buffer."""
+    def params_changed(self) -> None:
+        """The parameter shards changed (update, lock-free publish, checkpoint load): gathered copies of
+        partitioned chunks are stale and dropped (the arena caches them); every rank updated its slice of the
+        resident chunks, which are all-gathered back into their full buffers."""
+        if self.coordinator is not None:
+            self.coordinator.drop_gathered()
         handles = [self.comm.all_gather(c.full, c.shard_of_full(), tag=f"chunk{c.index}", async_op=True)
                    for c in self.chunks if c.plan.resident]
         for h in handles:
@@ -287,15 +291,13 @@ class ZeroEngine:
             return
         future, self._pending_update = self._pending_update, None
         future.result()
-        if self.coordinator is not None:
-            self.coordinator.drop_gathered()
         with torch.no_grad():
             for c in self.chunks:
                 if "param" in c.swapped:
                     self.store.put(c.state_key("param"), c.pending)
                 else:
                     c.param_shard.copy_(c.pending)
-        self.refresh_resident_params()
+        self.params_changed()
 
     def close(self) -> None:
         """Release the store's files and threads (the SSD tier's swap directory is removed)."""
@@ -341,8 +343,6 @@ class ZeroEngine:
                         load_optimizer_states: bool = True) -> tuple[str, dict]:
         """Restore this rank's shards; returns (tag directory, client_state)."""
         self.publish_update()
-        if self.coordinator is not None:
-            self.coordinator.drop_gathered()  # gathered copies (the arena caches them) would be stale
         return ckpt.load(self, load_dir, tag, load_optimizer_states)
 
     @property

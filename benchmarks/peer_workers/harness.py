@@ -20,6 +20,21 @@ import psutil
 import torch
 import torch.distributed as dist
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PEERS_PYTHON = os.path.join(ROOT, "benchmarks", ".venv-peers", "bin", "python")  # benchmarks/peers_env.sh
+
+
+def worker_env(threads: int) -> dict[str, str]:
+    """A worker's environment, in either venv: the source tree and ``benchmarks/`` on the path, ``threads``
+    intra-op threads, DeepSpeed on its CPU accelerator with a persistent cache for the ops it JIT-builds."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.join(ROOT, "benchmarks"), ROOT,
+                                                      env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = str(threads)
+    env.setdefault("DS_ACCELERATOR", "cpu")
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/ptm/torch_extensions"))
+    return env
+
 BETAS = (0.9, 0.95)
 EPS = 1e-8
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=15)

@@ -64,15 +64,16 @@ def _train(rank, world_size, arena: int, checkpointing: bool, params_on_ssd: str
         engine.profiler.events.clear()
     report = engine.memory_report()
     regions = [region_numel(engine.chunks[c].plan.padded, 4) for c in partitioned]
-    total_bytes = sum(engine.chunks[c].full_nbytes() for c in partitioned)
-    weights = to_numpy(engine.gather_state_dict())
+    out = {"losses": losses, "weights": to_numpy(engine.gather_state_dict()), "gathers": gathers,
+           "peak": report.gathered_peak, "reserved": report.gathered_reserved, "need": sum(regions),
+           "largest": max(regions), "chunks": len(partitioned),
+           "chunk_bytes": sum(engine.chunks[c].full_nbytes() for c in partitioned)}
     engine.close()
-    return (losses, weights, gathers, report.gathered_peak, report.gathered_reserved, sum(regions), max(regions),
-            total_bytes, len(partitioned))
+    return out
 
 
 def _global_losses(per_rank) -> list[float]:
-    return [sum(r[0][s] for r in per_rank) / DP for s in range(STEPS)]
+    return [sum(r["losses"][s] for r in per_rank) / DP for s in range(STEPS)]
 
 
 @pytest.mark.parametrize("checkpointing,params_on_ssd", [(False, False), (True, False), (True, True)],
@@ -84,10 +85,10 @@ def test_small_arena_trains_like_reference(tmp_path, checkpointing, params_on_ss
     nvme = str(tmp_path) if params_on_ssd else ""
     per_rank = run_distributed(_train, DP, arena, checkpointing, nvme, timeout=180)
     assert_close_losses(_global_losses(per_rank), ref_losses)
-    for _, _, _, peak, reserved, need, largest, _, _ in per_rank:
-        assert largest <= arena // 2 and need > 2 * arena  # most chunks are evicted and gathered again
-        assert reserved == arena * 4 and 0 < peak <= reserved
-    assert_close_weights(per_rank[0][1], ref_weights[-1])  # gather_state_dict: on rank 0
+    for r in per_rank:
+        assert r["largest"] <= arena // 2 and r["need"] > 2 * arena  # most chunks are evicted and gathered again
+        assert r["reserved"] == arena * 4 and 0 < r["peak"] <= r["reserved"]
+    assert_close_weights(per_rank[0]["weights"], ref_weights[-1])  # gather_state_dict: on rank 0
 
 
 def test_arena_holding_every_chunk_gathers_each_once_per_step():
@@ -95,12 +96,12 @@ def test_arena_holding_every_chunk_gathers_each_once_per_step():
     # Without the arena every chunk is gathered for forward, recomputation and backward of each micro-batch.
     plain = run_distributed(_train, DP, -1, True, "", timeout=180)
     cached = run_distributed(_train, DP, 1 << 20, True, "", timeout=180)
-    _, weights, gathers, peak, _, _, _, total_bytes, n = cached[0]
-    assert gathers == [n] * STEPS and all(g > 2 * n for g in plain[0][2])
-    assert peak == total_bytes  # every chunk stayed gathered once
+    r = cached[0]
+    assert r["gathers"] == [r["chunks"]] * STEPS and all(g > 2 * r["chunks"] for g in plain[0]["gathers"])
+    assert r["peak"] == r["chunk_bytes"]  # every chunk stayed gathered once
     assert_close_losses(_global_losses(cached), ref_losses)
     assert_close_losses(_global_losses(plain), ref_losses)
-    assert_close_weights(weights, ref_weights[-1])
+    assert_close_weights(r["weights"], ref_weights[-1])
 
 
 def test_arena_smaller_than_one_module_is_a_clear_error():

@@ -195,5 +195,5 @@ def load(engine, load_dir: str, tag: str | None, load_optimizer_states: bool) ->
             engine.optimizer.lr = opt["optimizer"]["lr"]
     finally:
         engine.store.transfer_pool.trim()
-    engine.refresh_resident_params()
+    engine.params_changed()
     return tag_dir, saved["client_state"]
