@@ -129,6 +129,8 @@ class ZeroConfig:
     # zero_cache keys.
     memory_budget: MemoryBudgetConfig = field(default_factory=MemoryBudgetConfig)
     lock_free_update: bool = False  # delayed update (one-step-stale parameters), see docs
+    # On gloo, all-gather and reduce-scatter as point-to-point exchanges (see comm.py); false: gloo's own.
+    gloo_p2p_collectives: bool = True
     # Elements of each state per checkpoint slice file with save_large_model_multi_slice (fp32: 4 bytes
     # each); bounds the host memory of saving and loading (default 64 MiB per state).
     save_large_model_slice_size: int = field(default=16_777_216, metadata=_range(lo=1024))

@@ -63,7 +63,7 @@ class ZeroEngine:
         self.model_parallel_group = model_parallel_group
         z = cfg.zero_optimization
         self.profiler = CommProfiler(z.is_communication_time_profiling)
-        self.comm = Comm(dp_group, self.profiler)
+        self.comm = Comm(dp_group, self.profiler, p2p_on_gloo=z.gloo_p2p_collectives)
         self.dtype = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else torch.float32
         managed = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not managed:

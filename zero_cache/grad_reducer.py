@@ -79,6 +79,10 @@ class GradReducer:
         self.ssd_stats: dict[int, torch.Tensor] = {}  # SSD shard -> norm_stats of its accumulated value
         self.ssd_writes: deque = deque()
         self.pending: deque = deque()
+        # Chunk gradient buffers whose reduction finished, reused by the next chunks of the same size:
+        # fresh allocations of this size are mmapped and page-faulted in on every backward. Dropped before
+        # the optimizer step, so they never outlive the backward passes.
+        self.spare: list[torch.Tensor] = []
         self._hooks = []
         for c in chunks:
             for s in c.plan.slots:
@@ -92,10 +96,16 @@ class GradReducer:
             if self.mode == "full":
                 buf = self.store.allocate(f"c{c}.full_grad", "grads", DEVICE, chunk.plan.padded, torch.float32)
             else:  # not zeroed: the first gradient of a slot is copied in, the rest zeroed before reducing
-                buf = torch.empty(chunk.plan.padded, dtype=chunk.full.dtype, device=chunk.full.device)
+                buf = self._spare_buffer(chunk.plan.padded, chunk.full)
                 self.written[c] = set()
             self.buffers[c] = buf
         return buf
+
+    def _spare_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        for i, t in enumerate(self.spare):
+            if t.numel() == numel and t.dtype == like.dtype and t.device == like.device:
+                return self.spare.pop(i)
+        return torch.empty(numel, dtype=like.dtype, device=like.device)
 
     def _on_grad(self, c: int, slot: ParamSlot, param: nn.Parameter) -> None:
         self.on_backward_activity()
@@ -123,16 +133,28 @@ class GradReducer:
         for s in plan.slots:  # parameters without a gradient in this pass (a partial flush)
             if s.offset not in written:
                 buf[s.offset:s.offset + s.numel].zero_()
-        out = torch.empty(self.chunks[c].plan.shard, dtype=buf.dtype, device=buf.device)
+        chunk = self.chunks[c]
+        # The step's first fp32 result on the device tier is reduced straight into the gradient shard.
+        direct = (self.fresh[c] and not self.on_ssd[c] and buf.dtype == torch.float32
+                  and buf.device == chunk.grad.device)
+        if direct:
+            out, self.fresh[c] = chunk.grad, False
+        else:
+            out = torch.empty(chunk.plan.shard, dtype=buf.dtype, device=buf.device)
         handle = self.comm.reduce_scatter(out, buf, tag=f"chunk{c}", async_op=True)
-        self.pending.append((c, handle, out, buf))
+        self.pending.append((c, handle, out, buf, direct))
         while len(self.pending) > self.max_events:
             self._finish()
 
     def _finish(self) -> None:
-        c, handle, out, _buf = self.pending.popleft()
+        c, handle, out, buf, direct = self.pending.popleft()
         handle.wait()
-        self._accumulate(c, out, 1.0 / self.comm.size)
+        if len(self.spare) <= self.max_events:
+            self.spare.append(buf)
+        if direct:
+            out.mul_(1.0 / self.comm.size)
+        else:
+            self._accumulate(c, out, 1.0 / self.comm.size)
 
     def _accumulate(self, c: int, value: torch.Tensor, scale: float) -> None:
         """Add ``value * scale`` into chunk ``c``'s fp32 gradient shard, wherever it lives."""
@@ -179,6 +201,7 @@ class GradReducer:
     def end_step(self) -> None:
         """Before the optimizer step: finish this step's reduction and sum tied gradients across groups."""
         self.end_backward()
+        self.spare.clear()
         if self.mode == "full":
             for c in sorted(self.buffers):
                 buf = self.buffers[c]
