@@ -2,12 +2,13 @@
 disk, and optimizer step elements/s with the states on the host and on SSD against torch's fused AdamW and
 DeepSpeedCPUAdam, all in one run. Prints a table.
 
-    python benchmarks/bench_ssd.py [--nvme-path /tmp] [--mib 512] [--shards 8] [--params 16e6] [--steps 3]
+    python benchmarks/bench_ssd.py [--nvme-path /tmp] [--mib 512] [--shards 8] [--params 16e6] [--steps 3] [--rounds 3]
 
 1. I/O: ``--mib`` MiB split into ``--shards`` page files of zero_cache's SSDStore (O_DIRECT, CRC-32 per page)
-   written (swap_out) and read back (swap_in) for each ``aio.intra_op_parallelism`` / ``block_size``
-   setting; the references are ``dd bs=1M oflag=direct`` / ``iflag=direct`` of the same amount on the same
-   disk, and DeepSpeed's aio library (``aio_handle``, the same files, threads and block size).
+   written (swap_out) and read back (swap_in) ``--rounds`` times (medians) for each
+   ``aio.intra_op_parallelism`` / ``block_size`` setting, ``queue_depth`` 8; the references are
+   ``dd bs=1M oflag=direct`` / ``iflag=direct`` of the same amount on the same disk, and DeepSpeed's aio
+   library (``aio_handle``: the same files, threads, block size, queue depth and rounds).
 2. Optimizer: a stack of 1024x1024 Linear layers (``--params`` parameters) through the zero_cache engine
    (stage 3, DP 1), states on the host (offload_optimizer cpu) and on SSD (nvme, pipelined and not), timing
    ``engine.step()`` only; torch.optim.AdamW(fused=True) and DeepSpeedCPUAdam (AdamW mode, its AVX kernel)
@@ -22,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,7 +53,8 @@ def _dd(path: str, mib: int) -> tuple[float, float]:
     return w, r
 
 
-def _store_io(root: str, mib: int, shards: int, threads: int, block: int) -> tuple[float, float]:
+def _store_io(root: str, mib: int, shards: int, threads: int, block: int, rounds: int) -> tuple[float, float]:
+    """Median write and read GB/s over ``rounds`` (this virtual disk varies by +-20% from one pass to the next)."""
     store = SSDStore(torch.device("cpu"), root, AioConfig(block_size=block, queue_depth=8, intra_op_parallelism=threads))
     numel = mib * 2**20 // 4 // shards
     keys = [f"s{i}" for i in range(shards)]
@@ -60,16 +63,18 @@ def _store_io(root: str, mib: int, shards: int, threads: int, block: int) -> tup
     tensors = store.swap_in(keys).wait()
     for t in tensors:
         t.normal_()
-    t0 = time.perf_counter()
-    store.swap_out(keys, tensors).wait()
-    os.sync()
-    w = mib * 2**20 / (time.perf_counter() - t0) / 1e9
-    t0 = time.perf_counter()
-    tensors = store.swap_in(keys).wait()
-    r = mib * 2**20 / (time.perf_counter() - t0) / 1e9
+    writes, reads = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        store.swap_out(keys, tensors).wait()
+        os.sync()
+        writes.append(mib * 2**20 / (time.perf_counter() - t0) / 1e9)
+        t0 = time.perf_counter()
+        tensors = store.swap_in(keys).wait()
+        reads.append(mib * 2**20 / (time.perf_counter() - t0) / 1e9)
     store.release(tensors)
     store.close()
-    return w, r
+    return statistics.median(writes), statistics.median(reads)
 
 
 def _deepspeed(*args: str) -> dict | None:
@@ -135,7 +140,9 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--params", type=float, default=16e6)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="I/O passes per setting (medians reported)")
     args = ap.parse_args()
+    os.makedirs(args.nvme_path, exist_ok=True)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     rows = []
     print(f"[1/3] dd O_DIRECT, {args.mib} MiB ...", flush=True)
@@ -144,10 +151,10 @@ def main() -> None:
     settings = [(1, 1 << 20), (2, 1 << 20), (4, 1 << 20), (2, 8 << 20)]
     for k, (threads, block) in enumerate(settings):
         print(f"[2/3] SSD tier threads={threads} block={block >> 20}MiB ({k + 1}/{len(settings)}) ...", flush=True)
-        w, r = _store_io(args.nvme_path, args.mib, args.shards, threads, block)
+        w, r = _store_io(args.nvme_path, args.mib, args.shards, threads, block, args.rounds)
         rows.append((f"zero_cache SSD tier, {threads} thr, {block >> 20} MiB blocks", f"{w:.2f}", f"{r:.2f}"))
         ds = _deepspeed("io", "--path", args.nvme_path, "--mib", str(args.mib), "--shards", str(args.shards),
-                        "--threads", str(threads), "--block", str(block))
+                        "--threads", str(threads), "--block", str(block), "--rounds", str(args.rounds))
         if ds is not None:
             rows.append((f"DeepSpeed aio, {threads} thr, {block >> 20} MiB blocks", f"{ds['write_gbs']:.2f}",
                          f"{ds['read_gbs']:.2f}"))

@@ -9,7 +9,10 @@ is reopened without, once, with a warning). Payloads move between the file and *
 
 ``AioEngine`` runs whole-file jobs on ``aio.intra_op_parallelism`` threads with at most
 ``aio.queue_depth`` jobs queued per thread (submitting more blocks the caller: bounded memory), and
-records each job's busy interval so callers can measure how much I/O time their compute hid.
+records each job's busy interval so callers can measure how much I/O time their compute hid. A job keeps
+``queue_depth`` block requests of its file in flight per job thread (DeepSpeed's aio meaning: requests
+outstanding per thread) on a pool of block threads, and chains the CRC-32 over the blocks in order while
+later ones are still moving, so the checksum costs no I/O time.
 Checkpoints move byte ranges of a page file instead (``read_span`` / ``write_span``, in the caller's
 thread), through a buffer of one block, so a shard never has to fit in host memory whole.
 A truncated or corrupted page file, or a full disk, is an ``SSDTierError`` naming the file.
@@ -25,7 +28,8 @@ import struct
 import threading
 import time
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
+from typing import Callable
 
 import torch
 
@@ -125,6 +129,7 @@ class PageFile:
         self.file_bytes = HEADER_BYTES + self.capacity
         self.direct = direct
         self.crc_known = True  # False while range writes have left the header's CRC-32 stale
+        self.io_checked = False  # a request went through: O_DIRECT is not refused at I/O time
         self._read_pass: tuple[int, int] | None = None  # (next byte, running CRC-32) of a pass of range reads
         self._write_pass: tuple[int, int] | None = None
         self.fd = self._open(create=True)
@@ -178,11 +183,39 @@ class PageFile:
                                    f"{offset + done}; expected {self.file_bytes} bytes)")
             done += n
 
-    def write(self, buf: AlignedBuffer, block: int) -> None:
+    def _io_pieces(self, write: bool, mv: memoryview, offset: int, block: int, pool: Executor | None,
+                   crc_bytes: int, header: Callable[[], int] | None = None) -> tuple[int, int | None]:
+        """Move ``mv`` in ``block`` pieces, concurrently on ``pool`` when given. Returns the CRC-32 of its first
+        ``crc_bytes`` bytes, chained piece by piece in order as they complete (reads) or are queued (writes),
+        and what ``header`` returned (a read's header check, run in this thread while the pieces move)."""
+        pieces = [(start, min(start + block, len(mv))) for start in range(0, len(mv), block)]
+        if pool is None or len(pieces) == 1:
+            recorded = header() if header is not None else None
+            self._io(write, mv, offset, block)
+            return zlib.crc32(mv[:crc_bytes]), recorded
+        first = 0
+        if not self.io_checked:  # one request alone first: O_DIRECT may be refused there, reopening the file
+            a, b = pieces[0]
+            self._io(write, mv[a:b], offset + a, block)
+            self.io_checked, first = True, 1
+        futures = [None] * first + [pool.submit(self._io, write, mv[a:b], offset + a, block) for a, b in pieces[first:]]
+        crc, crc_left = 0, crc_bytes
+        try:
+            recorded = header() if header is not None else None
+            for (a, b), f in zip(pieces, futures):
+                if f is not None and not write:
+                    f.result()
+                take = min(b - a, crc_left)
+                crc, crc_left = zlib.crc32(mv[a:a + take], crc), crc_left - take
+            for f in futures[first:]:
+                f.result()
+        finally:  # never return while a request still uses the caller's buffer
+            wait(futures[first:])
+        return crc, recorded
+
+    def write(self, buf: AlignedBuffer, block: int, pool: Executor | None = None) -> None:
         """Write ``buf``'s first ``payload`` bytes (its tail up to capacity is padding) and a fresh header."""
-        mv = memoryview(buf.mm)
-        crc = zlib.crc32(mv[:self.payload])
-        self._io(True, mv[:self.capacity], HEADER_BYTES, block)
+        crc, _ = self._io_pieces(True, memoryview(buf.mm)[:self.capacity], HEADER_BYTES, block, pool, self.payload)
         self._write_header(crc)
         self._read_pass = self._write_pass = None
 
@@ -216,12 +249,11 @@ class PageFile:
             raise SSDTierError(f"SSD tier: page file '{self.path}' is corrupted: payload CRC-32 {got:#010x}, "
                                f"header says {recorded:#010x} (shard '{self.key}')")
 
-    def read(self, buf: AlignedBuffer, block: int) -> None:
+    def read(self, buf: AlignedBuffer, block: int, pool: Executor | None = None) -> None:
         """Fill ``buf`` with the payload; verify file size, header and checksum first/after."""
-        crc = self._header_crc()
-        mv = memoryview(buf.mm)
-        self._io(False, mv[:self.capacity], HEADER_BYTES, block)
-        self._check_crc(zlib.crc32(mv[:self.payload]), crc)
+        got, recorded = self._io_pieces(False, memoryview(buf.mm)[:self.capacity], HEADER_BYTES, block, pool,
+                                        self.payload, header=self._header_crc)
+        self._check_crc(got, recorded)
 
     # ---- byte ranges (checkpoints) ----------------------------------------------------------------------
     # A range lives in ``buf`` at its offset from ``start`` rounded down to 4 KiB, so whole pages move.
@@ -298,7 +330,9 @@ class AioEngine:
     def __init__(self, cfg: AioConfig):
         self.block = cfg.block_size
         self.threads = cfg.intra_op_parallelism
-        self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="zero_cache_aio")
+        self._pool = ThreadPoolExecutor(max_workers=self.threads * cfg.queue_depth, thread_name_prefix="zero_cache_aio")
+        self._blocks = ThreadPoolExecutor(max_workers=cfg.queue_depth * self.threads,
+                                          thread_name_prefix="zero_cache_aio_block") if cfg.queue_depth > 1 else None
         self._slots = threading.BoundedSemaphore(cfg.queue_depth * self.threads)
         self._lock = threading.Lock()
         self.intervals: list[tuple[float, float]] = []
@@ -308,7 +342,7 @@ class AioEngine:
     def _run(self, write: bool, page: PageFile, buf: AlignedBuffer) -> None:
         t0 = time.perf_counter()
         try:
-            (page.write if write else page.read)(buf, self.block)
+            (page.write if write else page.read)(buf, self.block, self._blocks)
         finally:
             t1 = time.perf_counter()
             with self._lock:
@@ -344,3 +378,5 @@ class AioEngine:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+        if self._blocks is not None:
+            self._blocks.shutdown(wait=True)

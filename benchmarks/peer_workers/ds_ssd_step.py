@@ -1,7 +1,7 @@
 """DeepSpeed's side of benchmarks/bench_ssd.py, run in the peers' venv: its aio library's write/read GB/s on
 the same files, and DeepSpeedCPUAdam's step on the same parameters. Prints one JSON line.
 
-    python -m peer_workers.ds_ssd_step io --path /tmp --mib 512 --shards 8 --threads 4 --block 1048576
+    python -m peer_workers.ds_ssd_step io --path /tmp --mib 512 --shards 8 --threads 4 --block 1048576 --rounds 3
     python -m peer_workers.ds_ssd_step adam --params 16e6 --steps 3
 """
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -24,22 +25,24 @@ def _io(a) -> dict:
     for b in buffers:
         b.normal_()
     paths = [os.path.join(a.path, f"bench_ds_aio_{i}.bin") for i in range(a.shards)]
-    t0 = time.perf_counter()
-    for b, p in zip(buffers, paths):
-        handle.async_pwrite(b, p, 0)
-    handle.wait()
-    os.sync()
-    write = a.mib * 2**20 / (time.perf_counter() - t0) / 1e9
-    t0 = time.perf_counter()
-    for b, p in zip(buffers, paths):
-        handle.async_pread(b, p, 0)
-    handle.wait()
-    read = a.mib * 2**20 / (time.perf_counter() - t0) / 1e9
+    writes, reads = [], []
+    for _ in range(a.rounds):
+        t0 = time.perf_counter()
+        for b, p in zip(buffers, paths):
+            handle.async_pwrite(b, p, 0)
+        handle.wait()
+        os.sync()
+        writes.append(a.mib * 2**20 / (time.perf_counter() - t0) / 1e9)
+        t0 = time.perf_counter()
+        for b, p in zip(buffers, paths):
+            handle.async_pread(b, p, 0)
+        handle.wait()
+        reads.append(a.mib * 2**20 / (time.perf_counter() - t0) / 1e9)
     for b in buffers:
         handle.free_cpu_locked_tensor(b)
     for p in paths:
         os.unlink(p)
-    return {"write_gbs": write, "read_gbs": read}
+    return {"write_gbs": statistics.median(writes), "read_gbs": statistics.median(reads)}
 
 
 def _adam(a) -> dict:
@@ -69,6 +72,7 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--block", type=int, default=1 << 20)
+    ap.add_argument("--rounds", type=int, default=3, help="I/O: write and read this many times, report medians")
     ap.add_argument("--params", type=float, default=16e6)
     ap.add_argument("--steps", type=int, default=3)
     a = ap.parse_args()

@@ -213,11 +213,12 @@ def _page_path(store, key):
     return os.path.join(store.directory, key + ".swp")
 
 
-def test_page_file_round_trip_and_layout(tmp_path):
+@pytest.mark.parametrize("numel", [3000, 30000])  # 2 and 15 blocks of 8 KiB, two requests in flight
+def test_page_file_round_trip_and_layout(tmp_path, numel):
     store = _store(tmp_path)
-    values = torch.randn(3000)
-    assert store.allocate("c0.exp_avg", "optimizer", "nvme", 3000, torch.float32) is None
-    assert torch.equal(store.read("c0.exp_avg"), torch.zeros(3000))
+    values = torch.randn(numel)
+    assert store.allocate("c0.exp_avg", "optimizer", "nvme", numel, torch.float32) is None
+    assert torch.equal(store.read("c0.exp_avg"), torch.zeros(numel))
     store.put("c0.exp_avg", values)
     (t,) = store.swap_in(["c0.exp_avg"]).wait()
     assert torch.equal(t, values)
@@ -225,8 +226,8 @@ def test_page_file_round_trip_and_layout(tmp_path):
     store.swap_out(["c0.exp_avg"], [t]).wait()
     assert torch.equal(store.read("c0.exp_avg"), 2 * values)
     size = os.path.getsize(_page_path(store, "c0.exp_avg"))
-    assert size == aio.HEADER_BYTES + aio.round_up(3000 * 4) and size % 4096 == 0  # block-aligned
-    assert store.nbytes() == {("optimizer", "nvme"): 12000}
+    assert size == aio.HEADER_BYTES + aio.round_up(numel * 4) and size % 4096 == 0  # block-aligned
+    assert store.nbytes() == {("optimizer", "nvme"): numel * 4}
     assert store.pool.in_use == 0
     store.close()
     assert not os.path.exists(store.directory)
@@ -235,14 +236,14 @@ def test_page_file_round_trip_and_layout(tmp_path):
 @pytest.mark.parametrize("damage", ["flip-payload", "truncate", "header"])
 def test_damaged_page_file_is_a_clear_error(tmp_path, damage):
     store = _store(tmp_path)
-    store.allocate("c1.exp_avg_sq", "optimizer", "nvme", 2000, torch.float32)
-    store.put("c1.exp_avg_sq", torch.ones(2000))
+    store.allocate("c1.exp_avg_sq", "optimizer", "nvme", 20000, torch.float32)  # 10 blocks
+    store.put("c1.exp_avg_sq", torch.ones(20000))
     path = _page_path(store, "c1.exp_avg_sq")
     with open(path, "r+b") as f:
-        if damage == "flip-payload":
-            f.seek(aio.HEADER_BYTES + 123)
+        if damage == "flip-payload":  # in the ninth block, read while others are in flight
+            f.seek(aio.HEADER_BYTES + 70000)
             byte = f.read(1)
-            f.seek(aio.HEADER_BYTES + 123)
+            f.seek(aio.HEADER_BYTES + 70000)
             f.write(bytes([byte[0] ^ 0x40]))
         elif damage == "truncate":
             f.truncate(aio.HEADER_BYTES + 1000)
