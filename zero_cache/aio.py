@@ -339,24 +339,27 @@ class AioEngine:
         self.bytes_read = 0
         self.bytes_written = 0
 
-    def _run(self, write: bool, page: PageFile, buf: AlignedBuffer) -> None:
+    def _run(self, write: bool, page: PageFile, buf: AlignedBuffer, account: bool) -> None:
         t0 = time.perf_counter()
         try:
             (page.write if write else page.read)(buf, self.block, self._blocks)
         finally:
             t1 = time.perf_counter()
-            with self._lock:
-                self.intervals.append((t0, t1))
-                if write:
-                    self.bytes_written += page.file_bytes
-                else:
-                    self.bytes_read += page.file_bytes
+            if account:
+                with self._lock:
+                    self.intervals.append((t0, t1))
+                    if write:
+                        self.bytes_written += page.file_bytes
+                    else:
+                        self.bytes_read += page.file_bytes
             self._slots.release()
 
-    def submit(self, write: bool, page: PageFile, buf: AlignedBuffer) -> Future:
+    def submit(self, write: bool, page: PageFile, buf: AlignedBuffer, account: bool = True) -> Future:
+        """Queue a whole-file job; ``account=False`` leaves it out of ``busy_seconds_and_reset`` (parameter
+        reads for gathers, which run beside the optimizer's traffic that the busy time describes)."""
         self._slots.acquire()  # queue_depth bound: the caller waits rather than queueing without limit
         try:
-            return self._pool.submit(self._run, write, page, buf)
+            return self._pool.submit(self._run, write, page, buf, account)
         except BaseException:
             self._slots.release()
             raise

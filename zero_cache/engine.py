@@ -154,6 +154,8 @@ class ZeroEngine:
         if task != self._callback_task:
             self._callback_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            if self._update_thread is None and self.config.zero_optimization.pipeline_optimizer:
+                self.optimizer.start_read_ahead(during_backward=True)  # SSD states load under the backward
 
     def _end_backward(self) -> None:
         self._callback_task = None
@@ -343,6 +345,7 @@ class ZeroEngine:
                         load_optimizer_states: bool = True) -> tuple[str, dict]:
         """Restore this rank's shards; returns (tag directory, client_state)."""
         self.publish_update()
+        self.optimizer.drop_read_ahead()  # states read ahead of a step are about to be replaced
         return ckpt.load(self, load_dir, tag, load_optimizer_states)
 
     @property

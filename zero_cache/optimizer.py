@@ -11,7 +11,8 @@ Sub-groups whose states live on the SSD tier are swapped in, updated and swapped
 on SSD is read with them and dropped). With
 ``pipeline_optimizer`` this is a three-stage pipeline on the store's I/O threads: while sub-group i is
 updated, i+1 is being read (read-ahead) and i-1 written back; at most three sub-groups' staging buffers
-exist at once. Without it each sub-group is read, updated and written in turn. ``last_swap`` reports the
+exist at once, unless the placement gave the staging pool spare host budget: then the first sub-groups
+are read ahead while the backward runs, as many as the pool holds. Without it each sub-group is read, updated and written in turn. ``last_swap`` reports the
 step's I/O time, the time the step was blocked on it, and their difference (the I/O hidden by compute).
 """
 from __future__ import annotations
@@ -68,7 +69,8 @@ class ShardedAdam:
         self.store = store
         self.swapped = [any(self.chunks[i].opt_swapped() for i in sg) for sg in sub_groups]
         self.last_swap: SwapStats | None = None
-        self._early: dict = {}  # sub-group 0's read, started before the step (see start_read_ahead)
+        self._early: dict = {}  # sub-group -> its read, started before the step (see start_read_ahead)
+        self.grads_on_ssd = any("grad" in c.swapped for c in chunks)
 
     def _swap_keys(self, k: int) -> list[tuple[FlatChunk, str]]:
         return [(self.chunks[i], name) for i in self.sub_groups[k] for name in self.chunks[i].opt_swapped()]
@@ -77,13 +79,27 @@ class ShardedAdam:
         pairs = self._swap_keys(k)
         return pairs, self.store.swap_in([c.state_key(n) for c, n in pairs])
 
-    def start_read_ahead(self) -> None:
-        """Start reading the first SSD sub-group now (the caller computes the grad norm meanwhile)."""
-        k = next((k for k, s in enumerate(self.swapped) if s), None)
-        if k is None or self._early:
+    def start_read_ahead(self, during_backward: bool = False) -> None:
+        """Start reading SSD sub-groups in step order, as many as the staging pool holds (always the first).
+
+        Called when a backward starts (the placement gave spare host budget to the pool) and again before
+        the step, while the grad norm is computed. Not during a backward that writes gradient shards to SSD:
+        their staging buffers come from the same pool."""
+        if during_backward and self.grads_on_ssd:
             return
-        self.store.aio.busy_seconds_and_reset()
-        self._early[k] = self._swap_in(k)
+        todo = [k for k, s in enumerate(self.swapped) if s and k not in self._early]
+        if not todo:
+            return
+        if not self._early:
+            self.store.aio.busy_seconds_and_reset()
+            k = todo.pop(0)
+            self._early[k] = self._swap_in(k)
+        for k in todo if self.store.pool.limit is not None else ():  # an unbounded pool: the first only
+            pairs = self._swap_keys(k)
+            handle = self.store.swap_in([c.state_key(n) for c, n in pairs], optional=True)
+            if handle is None:  # the pool is full: the step reads the rest itself
+                break
+            self._early[k] = (pairs, handle)
 
     def drop_read_ahead(self) -> None:
         """The step was skipped: hand the read-ahead buffers back."""

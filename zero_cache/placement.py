@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import psutil
 import torch
@@ -209,4 +209,15 @@ def place_states(plans: list[ChunkPlan], sub_groups: list[list[int]], cfg: ZeroC
         if need > budgets[tier]:
             raise ConfigError(f"zero_cache: model states need {need} bytes on the {tier} tier but its budget is "
                               f"{budgets[tier]} bytes; {fixes[tier]}")
-    return placed
+    return with_read_ahead(placed, sub_groups, budgets[HOST] - needs[HOST], z.pipeline_optimizer)
+
+
+def with_read_ahead(placed: Placement, sub_groups: list[list[int]], spare_host: int, pipeline: bool) -> Placement:
+    """Give host budget the states left unused to the optimizer's staging pool, up to every SSD sub-group:
+    the step reads that many sub-groups ahead, starting during the backward (optimizer.py). Not when
+    gradient shards are SSD page files: their staging buffers, taken during the backward, share the pool."""
+    if not pipeline or placed.grad_on_ssd or spare_host <= 0:
+        return placed
+    swapped = sum(round_up(s.nbytes) for sg in sub_groups for i in sg for s in placed.layouts[i] if s.tier == NVME)
+    extra = min(spare_host, swapped - placed.opt_staging)
+    return replace(placed, opt_staging=placed.opt_staging + extra) if extra > 0 else placed

@@ -191,7 +191,7 @@ class SSDStore(DeviceHostStore):
             t = buf.view(page.dtype, page.numel)
             self._buffers[id(t)] = (pool, buf)
             tensors.append(t)
-            futures.append(self.aio.submit(False, page, buf))
+            futures.append(self.aio.submit(False, page, buf, account=not for_gather))
         return SwapHandle(futures, tensors, on_error=lambda: self.release(tensors))
 
     def staging(self, keys):

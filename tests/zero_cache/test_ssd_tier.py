@@ -109,11 +109,12 @@ def test_states_on_ssd_match_reference(ssd_results, reference, case):
             file_bytes = sum(len(opt) * (aio.HEADER_BYTES + aio.round_up(4 * shard)) for shard, _, opt in res["ssd"])
             assert stats.bytes_read == stats.bytes_written == file_bytes  # each state read and written once
             assert 0.0 <= stats.overlap <= 1.0 and stats.io_seconds > 0
-            # Staging buffers: at most read-ahead + update + write-behind sub-groups with the pipeline, one without.
             sizes = [b for b, s in zip(res["sub_group_bytes"], res["swapped"]) if s]
-            window = 3 if "pipeline" in case else 1
-            bound = max(sum(sizes[i:i + window]) for i in range(len(sizes)))
-            assert max(sizes) <= rep.swap_buffers_peak <= bound
+            if "pipeline" in case:
+                # The machine's default host budget leaves room for every SSD sub-group: all are read ahead.
+                assert rep.swap_buffers_peak == sum(sizes)
+            else:  # one sub-group's staging buffers at a time (the pipeline's bound under a tight budget: test_tiers)
+                assert rep.swap_buffers_peak == max(sizes)
             assert rep.swap_buffers_now == 0
         else:
             assert res["stats"] is None and rep.by_tier.get("nvme", 0) == 0
@@ -171,9 +172,9 @@ def test_parameter_shards_are_read_ahead_of_their_gathers(tmp_path):
 
     assert read_early(steps[0]) == 0  # no trace yet: each shard is read when its gather is issued
     assert read_early(steps[1]) >= 2  # with the trace, reads run a window ahead of the gathers
-    for events in steps:  # the first sub-group's states are read while the gradient norm is reduced
+    for events in steps:  # spare host budget: the optimizer's states are read while the backward runs
         first_read = next(i for i, e in enumerate(events) if e[0] == "ssd_read_states")
-        assert first_read < events.index(("all_reduce", "grad_norm"))
+        assert first_read < next(i for i, e in enumerate(events) if e[0] == "reduce_scatter")
     assert report.swap_buffers_now == 0 and report.peak_by_tier["host"] <= report.budget["host"]
 
 
