@@ -149,7 +149,7 @@ class GradReducer:
     def _finish(self) -> None:
         c, handle, out, buf, direct = self.pending.popleft()
         handle.wait()
-        if len(self.spare) <= self.max_events:
+        if len(self.spare) < max(1, self.max_events):  # no more than the reductions in flight held before
             self.spare.append(buf)
         if direct:
             out.mul_(1.0 / self.comm.size)
