@@ -7,12 +7,12 @@ is reopened without, once, with a warning). Payloads move between the file and *
 (anonymous ``mmap`` memory: page-aligned, as ``O_DIRECT`` requires) in ``aio.block_size`` pieces with
 ``os.preadv`` / ``os.pwritev``, which release the GIL, so I/O runs while torch kernels compute.
 
-``AioEngine`` runs whole-file jobs on ``aio.intra_op_parallelism`` threads with at most
-``aio.queue_depth`` jobs queued per thread (submitting more blocks the caller: bounded memory), and
-records each job's busy interval so callers can measure how much I/O time their compute hid. A job keeps
-``queue_depth`` block requests of its file in flight per job thread (DeepSpeed's aio meaning: requests
-outstanding per thread) on a pool of block threads, and chains the CRC-32 over the blocks in order while
-later ones are still moving, so the checksum costs no I/O time.
+``AioEngine`` runs whole-file jobs, at most ``aio.queue_depth x aio.intra_op_parallelism`` at once
+(submitting more blocks the caller: bounded memory), and records each job's busy interval so callers can
+measure how much I/O time their compute hid. A job moves its file's blocks on a pool of that many block
+threads (DeepSpeed's aio meaning of the two keys: requests outstanding per thread, times threads) and
+chains the CRC-32 over the blocks in order while later ones are still moving, so the checksum costs no
+I/O time.
 Checkpoints move byte ranges of a page file instead (``read_span`` / ``write_span``, in the caller's
 thread), through a buffer of one block, so a shard never has to fit in host memory whole.
 A truncated or corrupted page file, or a full disk, is an ``SSDTierError`` naming the file.
@@ -198,7 +198,8 @@ class PageFile:
             a, b = pieces[0]
             self._io(write, mv[a:b], offset + a, block)
             self.io_checked, first = True, 1
-        futures = [None] * first + [pool.submit(self._io, write, mv[a:b], offset + a, block) for a, b in pieces[first:]]
+        futures = [None] * first
+        futures += [pool.submit(self._io, write, mv[a:b], offset + a, block) for a, b in pieces[first:]]
         crc, crc_left = 0, crc_bytes
         try:
             recorded = header() if header is not None else None
@@ -330,10 +331,11 @@ class AioEngine:
     def __init__(self, cfg: AioConfig):
         self.block = cfg.block_size
         self.threads = cfg.intra_op_parallelism
-        self._pool = ThreadPoolExecutor(max_workers=self.threads * cfg.queue_depth, thread_name_prefix="zero_cache_aio")
-        self._blocks = ThreadPoolExecutor(max_workers=cfg.queue_depth * self.threads,
-                                          thread_name_prefix="zero_cache_aio_block") if cfg.queue_depth > 1 else None
-        self._slots = threading.BoundedSemaphore(cfg.queue_depth * self.threads)
+        in_flight = cfg.queue_depth * self.threads
+        self._pool = ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="zero_cache_aio")
+        self._blocks = ThreadPoolExecutor(max_workers=in_flight,
+                                          thread_name_prefix="zero_cache_aio_block") if in_flight > 1 else None
+        self._slots = threading.BoundedSemaphore(in_flight)
         self._lock = threading.Lock()
         self.intervals: list[tuple[float, float]] = []
         self.bytes_read = 0

@@ -12,8 +12,10 @@ on SSD is read with them and dropped). With
 ``pipeline_optimizer`` this is a three-stage pipeline on the store's I/O threads: while sub-group i is
 updated, i+1 is being read (read-ahead) and i-1 written back; at most three sub-groups' staging buffers
 exist at once, unless the placement gave the staging pool spare host budget: then the first sub-groups
-are read ahead while the backward runs, as many as the pool holds. Without it each sub-group is read, updated and written in turn. ``last_swap`` reports the
-step's I/O time, the time the step was blocked on it, and their difference (the I/O hidden by compute).
+are read ahead while the backward runs, as many as the pool holds. Without the pipeline each sub-group is
+read, updated and written in turn. ``last_swap`` reports the step's optimizer I/O time (from its first
+read, which may start in the backward), the time the step was blocked on it, and their difference (the
+I/O hidden by compute).
 """
 from __future__ import annotations
 

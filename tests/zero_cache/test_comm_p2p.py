@@ -15,9 +15,9 @@ SHARD = 1000  # elements per rank
 
 
 def _run(rank, world_size):
-    dist_group = dist.new_group(list(range(world_size)))
-    p2p, native = Comm(dist_group, CommProfiler(True), p2p_on_gloo=True), Comm(dist_group, CommProfiler(False),
-                                                                               p2p_on_gloo=False)
+    group = dist.new_group(list(range(world_size)))
+    p2p = Comm(group, CommProfiler(True), p2p_on_gloo=True)
+    native = Comm(group, CommProfiler(False), p2p_on_gloo=False)
     assert p2p.p2p and not native.p2p
     g = torch.Generator().manual_seed(rank)
     shards = [torch.randn(SHARD * (k + 1), generator=g) for k in range(3)]
