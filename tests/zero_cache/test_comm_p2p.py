@@ -4,6 +4,8 @@ Several collectives are in flight at once, interleaved with a collective on the 
 engine's prefetch and gradient reduction issue them; 3 ranks check an odd world size."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -69,3 +71,21 @@ def test_p2p_collectives_equal_gloo(world_size):
         assert torch.equal(outs[0]["gathered"][k], torch.cat([o["shards"][k] for o in outs]))
         total = sum(o["fulls"][k] for o in outs)
         torch.testing.assert_close(torch.cat([o["reduced"][k] for o in outs]), total, rtol=1e-6, atol=1e-6)
+
+
+def _peer_gone(rank, world_size):
+    """Rank 1 leaves without taking part; rank 0's point-to-point all-gather must fail, not hang."""
+    if rank == 1:
+        return None
+    comm = Comm(None, CommProfiler(False), p2p_on_gloo=True)
+    start = time.monotonic()
+    try:
+        comm.all_gather(torch.empty(2 * SHARD), torch.ones(SHARD))
+    except RuntimeError as e:
+        return time.monotonic() - start, str(e)
+    return None
+
+
+def test_a_peer_that_is_gone_is_an_error_not_a_hang():
+    elapsed, message = run_distributed(_peer_gone, 2, timeout=10)[0]
+    assert elapsed < 30 and message
