@@ -55,7 +55,8 @@ def _dd(path: str, mib: int) -> tuple[float, float]:
 
 def _store_io(root: str, mib: int, shards: int, threads: int, block: int, rounds: int) -> tuple[float, float]:
     """Median write and read GB/s over ``rounds`` (this virtual disk varies by +-20% from one pass to the next)."""
-    store = SSDStore(torch.device("cpu"), root, AioConfig(block_size=block, queue_depth=8, intra_op_parallelism=threads))
+    store = SSDStore(torch.device("cpu"), root,
+                     AioConfig(block_size=block, queue_depth=8, intra_op_parallelism=threads))
     numel = mib * 2**20 // 4 // shards
     keys = [f"s{i}" for i in range(shards)]
     for k in keys:

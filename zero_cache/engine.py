@@ -154,7 +154,7 @@ class ZeroEngine:
         if task != self._callback_task:
             self._callback_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-            if self._update_thread is None and self.config.zero_optimization.pipeline_optimizer:
+            if self._update_thread is None:
                 self.optimizer.start_read_ahead(during_backward=True)  # SSD states load under the backward
 
     def _end_backward(self) -> None:
@@ -172,7 +172,7 @@ class ZeroEngine:
         self.reducer.end_step()
         if self.coordinator is not None:
             self.coordinator.end_step()
-        if self._update_thread is None and self.config.zero_optimization.pipeline_optimizer:
+        if self._update_thread is None:
             self.optimizer.start_read_ahead()  # the first SSD sub-group loads while the norm is computed
         scale = self.scaler.scale
         sq, overflow = self._global_norm_sq_and_overflow()

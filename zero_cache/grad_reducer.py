@@ -5,7 +5,8 @@ buffer and drops ``param.grad``. Two accumulation modes (see the zero_cache sect
 
 - ``shard`` (stages 2 and 3, DeepSpeed's way): when every parameter of a chunk has its gradient for the
   current backward pass, the chunk buffer (compute dtype) is reduce-scattered asynchronously and the
-  result is added into this rank's fp32 gradient shard. At most ``max_param_reduce_events`` reductions
+  result is added into this rank's fp32 gradient shard (the step's first fp32 result is received straight
+  into it). At most ``max_param_reduce_events`` reductions
   are in flight (0 = wait for each at once). Per-step memory: the 4 B/param / N shard plus the buffers
   of the chunks being reduced; communication: one reduce-scatter per chunk per micro-batch.
 - ``full`` (stage 1): gradients are summed over micro-batches into full-size fp32 buffers and reduced

@@ -77,31 +77,33 @@ class ShardedAdam:
     def _swap_keys(self, k: int) -> list[tuple[FlatChunk, str]]:
         return [(self.chunks[i], name) for i in self.sub_groups[k] for name in self.chunks[i].opt_swapped()]
 
-    def _swap_in(self, k: int):
+    def _swap_in(self, k: int, optional: bool = False):
+        """Start reading sub-group ``k``: (pairs, handle), or None when ``optional`` and the pool is full."""
         pairs = self._swap_keys(k)
-        return pairs, self.store.swap_in([c.state_key(n) for c, n in pairs])
+        handle = self.store.swap_in([c.state_key(n) for c, n in pairs], optional=optional)
+        return None if handle is None else (pairs, handle)
 
     def start_read_ahead(self, during_backward: bool = False) -> None:
         """Start reading SSD sub-groups in step order, as many as the staging pool holds (always the first).
 
         Called when a backward starts (the placement gave spare host budget to the pool) and again before
-        the step, while the grad norm is computed. Not during a backward that writes gradient shards to SSD:
-        their staging buffers come from the same pool."""
-        if during_backward and self.grads_on_ssd:
-            return
+        the step, while the grad norm is computed. Only with ``pipeline_optimizer``; not during a backward
+        that writes gradient shards to SSD: their staging buffers come from the same pool."""
         todo = [k for k, s in enumerate(self.swapped) if s and k not in self._early]
-        if not todo:
+        if not self.pipeline or not todo or (during_backward and self.grads_on_ssd):
+            return
+        unbounded = self.store.pool.limit is None  # then the first sub-group only
+        if unbounded and self._early:
             return
         if not self._early:
             self.store.aio.busy_seconds_and_reset()
-            k = todo.pop(0)
-            self._early[k] = self._swap_in(k)
-        for k in todo if self.store.pool.limit is not None else ():  # an unbounded pool: the first only
-            pairs = self._swap_keys(k)
-            handle = self.store.swap_in([c.state_key(n) for c, n in pairs], optional=True)
-            if handle is None:  # the pool is full: the step reads the rest itself
+        for k in todo:
+            read = self._swap_in(k, optional=bool(self._early))  # the first is needed first: never skipped
+            if read is None:  # the pool is full: the step reads the rest itself
                 break
-            self._early[k] = (pairs, handle)
+            self._early[k] = read
+            if unbounded:
+                break
 
     def drop_read_ahead(self) -> None:
         """The step was skipped: hand the read-ahead buffers back."""
