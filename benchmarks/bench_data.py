@@ -63,8 +63,8 @@ def preprocessing_rows(copies: int) -> list[tuple[str, str, str]]:
         start = time.perf_counter()
         hf_tokens = sum(len(e.ids) + 1 for e in hf.encode_batch(texts))  # + eod, as preprocessing appends
         elapsed = time.perf_counter() - start
-        rows.append((f"HF tokenizers encode_batch ({os.cpu_count()} cores)", f"{hf_tokens / elapsed / 1e6:.2f} M tokens/s",
-                     f"{mb:.1f} MB in {elapsed:.1f} s"))
+        rows.append((f"HF tokenizers encode_batch ({os.cpu_count()} cores)",
+                     f"{hf_tokens / elapsed / 1e6:.2f} M tokens/s", f"{mb:.1f} MB in {elapsed:.1f} s"))
         if hf_tokens != tokens:
             raise RuntimeError(f"token counts differ: preprocessing {tokens}, HF {hf_tokens}")
     return rows

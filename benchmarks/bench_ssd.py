@@ -35,8 +35,9 @@ from torch import nn
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 
-import zero_cache  # noqa: E402
 from peer_workers.harness import PEERS_PYTHON, ROOT, worker_env  # noqa: E402
+
+import zero_cache  # noqa: E402
 from zero_cache.config import AioConfig  # noqa: E402
 from zero_cache.ssd_store import SSDStore  # noqa: E402
 

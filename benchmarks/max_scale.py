@@ -47,6 +47,7 @@ import psutil
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "benchmarks"), ROOT]
 from peer_workers.harness import PEERS_PYTHON, BenchSpec, worker_env  # noqa: E402
+
 from tools.plot_run import LogParseError, parse_log  # noqa: E402
 
 CACHE = os.path.join(ROOT, "benchmarks", "max_scale_deepspeed.json")
@@ -292,7 +293,8 @@ def table(ours: list[Attempt], ds_cached: list[dict], compare: list[Attempt]) ->
            "| system | offload | layers | params (B) | trains | s/step (steps 2-3) | peak memory (GiB) "
            "| disk (GiB) | source |", "|---|---|---:|---:|---|---:|---:|---:|---|"]
     for att in ours:
-        out.append(f"| {att.system} | {att.offload} | {att.layers} | {att.params / 1e9:.2f} | {'yes' if att.ok else 'NO'} "
+        out.append(f"| {att.system} | {att.offload} | {att.layers} | {att.params / 1e9:.2f} "
+                   f"| {'yes' if att.ok else 'NO'} "
                    f"| {_fmt_s(att.steady_s)} | {att.peak_mem_gib:.1f} | {att.peak_disk_gib:.1f} | this run"
                    f"{'' if att.ok else ': ' + att.note[:160]} |")
     for d in ds_cached:
@@ -315,7 +317,8 @@ def table(ours: list[Attempt], ds_cached: list[dict], compare: list[Attempt]) ->
         for att in compare:
             speed = (f"{ds.steady_s / att.steady_s:.2f}x" if ds is not None and att.ok and att.steady_s else "-")
             first = _fmt_s(att.step_s[0]) if att.step_s else "-"
-            out.append(f"| {att.system} | {att.layers} | {att.params / 1e9:.2f} | {_fmt_s(att.steady_s) if att.ok else 'failed: ' + att.note[:120]} "
+            steady = _fmt_s(att.steady_s) if att.ok else "failed: " + att.note[:120]
+            out.append(f"| {att.system} | {att.layers} | {att.params / 1e9:.2f} | {steady} "
                        f"| {first} | {att.setup_s:.0f} | {att.peak_mem_gib:.1f} | {att.peak_disk_gib:.1f} | {speed} |")
     return "\n".join(out)
 

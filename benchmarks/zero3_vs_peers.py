@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass
 
 import torch
-
 from peer_workers.harness import PEERS_PYTHON, ROOT, BenchSpec, worker_env
+
 PRESETS = {  # layers, hidden, heads, vocab
     "tiny": (2, 256, 4, 8192),
     "100m": (12, 768, 12, 32000),

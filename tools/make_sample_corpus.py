@@ -18,9 +18,8 @@ import os
 import sys
 import sysconfig
 import tokenize
-from typing import Iterator
-
 from pydoc_data.topics import topics
+from typing import Iterator
 
 SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 MIN_COMMENT_BLOCK_CHARS = 80

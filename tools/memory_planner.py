@@ -30,7 +30,7 @@ from megatron.core.transformer_config import TransformerConfig
 from tools.model_sizes import SIZES
 from tools.planner_stages import Mesh, StageModel, build_stage, representative_stages
 from zero_cache.aio import HEADER_BYTES, round_up
-from zero_cache.config import ConfigError, ZeroCacheConfig, parse_config
+from zero_cache.config import ZeroCacheConfig, ZeroConfigError, parse_config
 from zero_cache.param_arena import region_numel
 from zero_cache.partition import ChunkPlan, plan_chunks, plan_sub_groups
 from zero_cache.placement import place_states
@@ -185,7 +185,7 @@ class StateAccount:
 def account_states(plans: list[ChunkPlan], sub_groups: list[list[int]], cfg: ZeroCacheConfig, dtype: torch.dtype,
                    device: torch.device, host_budget: int) -> StateAccount:
     """Place every shard as ZeroEngine.__init__ does (``place_states``); ``host_budget`` decides what spills
-    to SSD. Raises zero_cache.ConfigError when the host cannot hold what must stay there."""
+    to SSD. Raises zero_cache.ZeroConfigError when the host cannot hold what must stay there."""
     unlimited = sys.maxsize
     placed = place_states(plans, sub_groups, cfg, dtype, device,
                           {DEVICE: unlimited, HOST: host_budget, NVME: unlimited})
@@ -391,7 +391,7 @@ class Planner:
             try:
                 accounts = [account_states(p, sg, cfg, dtype, self.device, max(budgets[HOST], 0))
                             for p, sg in zip(plans, sgs)]
-            except ConfigError:
+            except ZeroConfigError:
                 failures.append(f"host memory: the states that must stay on the host exceed "
                                 f"{format_bytes(max(budgets[HOST], 0))} per process even with every optimizer "
                                 f"sub-group and gradient shard the engine can move on SSD")
@@ -411,8 +411,8 @@ class Planner:
         for resource, amount in need.items():
             what, share, total, procs = whole[resource]
             if amount > cap[resource] and not (failures and resource in ("ram", HOST)):
-                failures.append(f"{what}: {format_bytes(amount)} per process > {format_bytes(cap[resource])} ({share:.0%} of "
-                                f"{format_bytes(total)}{f' / {procs} processes' if procs > 1 else ''})")
+                failures.append(f"{what}: {format_bytes(amount)} per process > {format_bytes(cap[resource])} "
+                                f"({share:.0%} of {format_bytes(total)}{f' / {procs} processes' if procs > 1 else ''})")
         if option.offload == "cpu":
             budgets[NVME] = 0  # host only: the engine refuses to spill rather than use the disk
         ev = Evaluation(option, stages, budgets, cap, need, failures)

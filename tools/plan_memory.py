@@ -23,8 +23,21 @@ import torch
 from megatron.core.parallel_state import ParallelConfigError
 from megatron.training.arguments import ConfigError as MegatronConfigError
 from megatron.training.arguments import _add_model_args, transformer_config_from_args
-from tools.memory_planner import (DEFAULT_VOCAB_SIZE, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, EXIT_FITS, OFFLOADS, GiB,
-                                  Hardware, Plan, Request, format_bytes, largest_layers, plan, with_layers)
+from tools.memory_planner import (
+    DEFAULT_VOCAB_SIZE,
+    EXIT_BAD_INPUT,
+    EXIT_DOES_NOT_FIT,
+    EXIT_FITS,
+    OFFLOADS,
+    GiB,
+    Hardware,
+    Plan,
+    Request,
+    format_bytes,
+    largest_layers,
+    plan,
+    with_layers,
+)
 from tools.model_sizes import DEFAULT_SEQ_LENGTH, SIZES, get_size
 from tools.planner_stages import Mesh
 from zero_cache.store import DEVICE, HOST, NVME, TIERS
@@ -264,7 +277,8 @@ def table(p: Plan) -> str:
            f"DP {r.mesh.dp}",
            f"hardware: {hw.device}"
            + (f", {format_bytes(hw.device_memory)} per accelerator" if not cpu else " (the device tier is host memory)")
-           + f", {format_bytes(hw.host_memory)} host memory per node, {format_bytes(hw.nvme_free)} free under {hw.nvme_path}"
+           + f", {format_bytes(hw.host_memory)} host memory per node, {format_bytes(hw.nvme_free)} free under "
+             f"{hw.nvme_path}"
            + (f" (detected: {', '.join(hw.detected)})" if hw.detected else ""),
            f"option: offload={ev.option.offload}, micro-batch {ev.option.micro_batch_size}, "
            f"{'full recompute' if ev.option.recompute else 'no recompute'}, sub_group_size {ev.option.sub_group_size}, "
@@ -284,9 +298,10 @@ def table(p: Plan) -> str:
             rows.append([tier] + [f"{v / GiB:.3f}" for v in vals + [staging] + nonst + [total]])
         widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
         out += ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
-        out.append(f"  activations: {format_bytes(ns.activations_full)} without recompute, {format_bytes(ns.activations_recompute)} "
-                   f"with full recompute; sub-groups {st.states.sub_groups} ({st.states.cached_sub_groups} on the "
-                   f"device); SSD page files {format_bytes(st.states.nvme_disk)}")
+        out.append(f"  activations: {format_bytes(ns.activations_full)} without recompute, "
+                   f"{format_bytes(ns.activations_recompute)} with full recompute; sub-groups "
+                   f"{st.states.sub_groups} ({st.states.cached_sub_groups} on the device); SSD page files "
+                   f"{format_bytes(st.states.nvme_disk)}")
     cap = ev.capacity
     if cpu:
         out.append(f"capacity per process: host memory (device + host tiers) {format_bytes(cap['ram'])}, "

@@ -25,8 +25,7 @@ from megatron.data.indexed_dataset import best_fitting_dtype, install_dataset, m
 from megatron.data.preprocess.document_encoder import EncoderSettings
 from megatron.data.preprocess.jsonl_reader import expand_inputs, plan_partitions, read_chunks
 from megatron.data.preprocess.partition import PartitionJob, PartitionStats, run_partition
-from megatron.data.preprocess.sentence_splitter import (installed_punkt_params, punkt_params_blob,
-                                                        train_punkt_params)
+from megatron.data.preprocess.sentence_splitter import installed_punkt_params, punkt_params_blob, train_punkt_params
 from megatron.tokenizer import add_tokenizer_args, build_tokenizer, tokenizer_config_from_args
 
 CHUNK_BYTES = 1 << 20

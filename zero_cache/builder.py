@@ -23,8 +23,8 @@ from typing import Callable
 import torch
 
 from .comm import Comm
-from .lazy_init import has_no_storage
 from .config import ZeroCacheConfig
+from .lazy_init import has_no_storage
 from .partition import ChunkPlan, FlatChunk
 from .placement import chunk_layout
 from .store import DEVICE, NVME, ShardStore

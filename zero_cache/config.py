@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-class ConfigError(ValueError):
+class ZeroConfigError(ValueError):
     """A zero_cache config problem; the message names the key and the fix."""
 
 
 def _check(cond: bool, path: str, msg: str) -> None:
     if not cond:
-        raise ConfigError(f"zero_cache config: '{path}' {msg}")
+        raise ZeroConfigError(f"zero_cache config: '{path}' {msg}")
 
 
 def _range(lo=None, hi=None, choices=None):
@@ -57,7 +57,7 @@ class AdamParams:
 
 
 @dataclass
-class OptimizerConfig:
+class AdamConfig:
     type: str = field(default="AdamW", metadata=_range(choices=("AdamW", "Adam")))
     params: AdamParams = field(default_factory=AdamParams)
 
@@ -103,7 +103,7 @@ class MemoryBudgetConfig:
 
 
 @dataclass
-class ZeroConfig:
+class ZeroOptimizationConfig:
     stage: int = field(default=3, metadata=_range(choices=(1, 2, 3)))
     contiguous_gradients: bool = True
     overlap_comm: bool = True
@@ -146,13 +146,9 @@ class ZeroCacheConfig:
     wall_clock_breakdown: bool = False
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    optimizer: AdamConfig = field(default_factory=AdamConfig)
+    zero_optimization: ZeroOptimizationConfig = field(default_factory=ZeroOptimizationConfig)
     aio: AioConfig = field(default_factory=AioConfig)
-
-    @property
-    def zero(self) -> ZeroConfig:
-        return self.zero_optimization
 
 
 def _coerce(value: Any, tp: Any, path: str) -> Any:
@@ -197,7 +193,7 @@ def _build(cls: type, data: Any, path: str):
             near = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.5)
             hint = f"; did you mean '{(path + '.') if path else ''}{near[0]}'?" if near else \
                 f"; valid keys here: {', '.join(sorted(fields))}"
-            raise ConfigError(f"zero_cache config: unknown key '{full}'{hint}")
+            raise ZeroConfigError(f"zero_cache config: unknown key '{full}'{hint}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value, full)
@@ -220,25 +216,25 @@ def _resolve_batch(cfg: ZeroCacheConfig, dp: int) -> None:
     tbs, mbs, gas = cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
     if tbs is not None and mbs is not None and gas is not None:
         if tbs != mbs * gas * dp:
-            raise ConfigError(
+            raise ZeroConfigError(
                 f"zero_cache config: train_batch_size ({tbs}) must equal train_micro_batch_size_per_gpu ({mbs})"
                 f" * gradient_accumulation_steps ({gas}) * data-parallel size ({dp}) = {mbs * gas * dp}; "
                 f"fix one of them or omit one and let it be derived")
     elif tbs is not None and mbs is not None:
         if tbs % (mbs * dp):
-            raise ConfigError(
+            raise ZeroConfigError(
                 f"zero_cache config: train_batch_size ({tbs}) is not divisible by train_micro_batch_size_per_gpu"
                 f" ({mbs}) * data-parallel size ({dp}); choose sizes that divide")
         gas = tbs // (mbs * dp)
     elif tbs is not None and gas is not None:
         if tbs % (gas * dp):
-            raise ConfigError(
+            raise ZeroConfigError(
                 f"zero_cache config: train_batch_size ({tbs}) is not divisible by gradient_accumulation_steps"
                 f" ({gas}) * data-parallel size ({dp}); choose sizes that divide")
         mbs = tbs // (gas * dp)
     elif tbs is not None:
         if tbs % dp:
-            raise ConfigError(f"zero_cache config: train_batch_size ({tbs}) is not divisible by the "
+            raise ZeroConfigError(f"zero_cache config: train_batch_size ({tbs}) is not divisible by the "
                               f"data-parallel size ({dp})")
         mbs, gas = tbs // dp, 1
     else:
@@ -250,28 +246,29 @@ def _resolve_batch(cfg: ZeroCacheConfig, dp: int) -> None:
 def _validate(cfg: ZeroCacheConfig) -> None:
     z = cfg.zero_optimization
     if cfg.fp16.enabled and cfg.bf16.enabled:
-        raise ConfigError("zero_cache config: 'fp16.enabled' and 'bf16.enabled' are both true; enable at most one")
+        raise ZeroConfigError("zero_cache config: 'fp16.enabled' and 'bf16.enabled' are both true; enable at most one")
     if z.offload_param.device != "none" and z.stage != 3:
-        raise ConfigError("zero_cache config: 'zero_optimization.offload_param' needs stage 3 (parameters are only "
+        raise ZeroConfigError("zero_cache config: 'zero_optimization.offload_param' needs stage 3 (parameters are only "
                           f"partitioned in stage 3, got stage {z.stage}); set stage 3 or remove offload_param")
     fp32 = not (cfg.fp16.enabled or cfg.bf16.enabled)
     if fp32 and z.offload_param.device == "cpu" and z.offload_optimizer.device == "none":
-        raise ConfigError("zero_cache config: in fp32 the parameter shard is the optimizer's master copy, so "
+        raise ZeroConfigError("zero_cache config: in fp32 the parameter shard is the optimizer's master copy, so "
                           "'offload_param.device' = 'cpu' needs 'offload_optimizer.device' = 'cpu' or 'nvme' too")
     if fp32 and z.offload_param.device == "nvme" and z.offload_optimizer.device != "nvme":
-        raise ConfigError("zero_cache config: in fp32 the parameter shard is the optimizer's master copy, so "
+        raise ZeroConfigError("zero_cache config: in fp32 the parameter shard is the optimizer's master copy, so "
                           "'offload_param.device' = 'nvme' needs 'offload_optimizer.device' = 'nvme' too")
     if z.offload_param.device == "nvme" and z.offload_optimizer.device == "nvme" and \
             os.path.normpath(z.offload_param.nvme_path) != os.path.normpath(z.offload_optimizer.nvme_path):
-        raise ConfigError(f"zero_cache config: 'offload_param.nvme_path' ({z.offload_param.nvme_path}) and "
+        raise ZeroConfigError(f"zero_cache config: 'offload_param.nvme_path' ({z.offload_param.nvme_path}) and "
                           f"'offload_optimizer.nvme_path' ({z.offload_optimizer.nvme_path}) differ; the SSD tier "
                           f"uses one directory per rank, set both to the same path")
     if z.lock_free_update and z.offload_optimizer.device == "none":
-        raise ConfigError("zero_cache config: 'zero_optimization.lock_free_update' overlaps the offloaded optimizer "
-                          "step with the next step's compute; it needs 'offload_optimizer.device' = 'cpu' or 'nvme'")
+        raise ZeroConfigError("zero_cache config: 'zero_optimization.lock_free_update' overlaps the offloaded "
+                              "optimizer step with the next step's compute; it needs 'offload_optimizer.device' = "
+                              "'cpu' or 'nvme'")
     b1, b2 = cfg.optimizer.params.betas
     if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-        raise ConfigError(f"zero_cache config: 'optimizer.params.betas' must be in [0, 1), got {[b1, b2]}")
+        raise ZeroConfigError(f"zero_cache config: 'optimizer.params.betas' must be in [0, 1), got {[b1, b2]}")
 
 
 def parse_config(config: dict | str | os.PathLike | ZeroCacheConfig, dp_world_size: int = 1) -> ZeroCacheConfig:
@@ -281,12 +278,12 @@ def parse_config(config: dict | str | os.PathLike | ZeroCacheConfig, dp_world_si
     else:
         if isinstance(config, (str, os.PathLike)):
             if not os.path.isfile(config):
-                raise ConfigError(f"zero_cache config: file '{config}' does not exist; pass a dict or a JSON path")
+                raise ZeroConfigError(f"zero_cache config: file '{config}' does not exist; pass a dict or a JSON path")
             with open(config, encoding="utf-8") as f:
                 try:
                     config = json.load(f)
                 except json.JSONDecodeError as e:
-                    raise ConfigError(f"zero_cache config: '{f.name}' is not valid JSON: {e}") from None
+                    raise ZeroConfigError(f"zero_cache config: '{f.name}' is not valid JSON: {e}") from None
         cfg = _build(ZeroCacheConfig, config, "")
     _validate(cfg)
     _resolve_batch(cfg, dp_world_size)

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from .comm import Comm, Handle
-from .config import ZeroConfig
+from .config import ZeroOptimizationConfig
 from .param_arena import ParamArena
 from .partition import FlatChunk
 from .store import ShardStore
@@ -58,7 +58,7 @@ def _tensors(obj):
 
 
 class ParamCoordinator:
-    def __init__(self, chunks: list[FlatChunk], comm: Comm, zcfg: ZeroConfig,
+    def __init__(self, chunks: list[FlatChunk], comm: Comm, zcfg: ZeroOptimizationConfig,
                  on_backward_activity: Callable[[], None], store: ShardStore | None = None):
         self.chunks = chunks
         self.store = store

@@ -24,7 +24,7 @@ from . import checkpoint as ckpt
 from .builder import ParamInit, build_chunk
 from .comm import Comm, CommProfiler, CommStepStats, group_all_reduce
 from .comm_theory import zero_step_theory
-from .config import ConfigError, ZeroCacheConfig, parse_config
+from .config import ZeroCacheConfig, ZeroConfigError, parse_config
 from .coordinator import ParamCoordinator
 from .grad_reducer import GradReducer
 from .host_memory import return_large_frees_to_os
@@ -417,7 +417,7 @@ def initialize(model: nn.Module, config: dict | str | ZeroCacheConfig, dp_group=
         lazy_init.py); called one chunk at a time so the full model never exists in memory.
     """
     if dp_group is not None and not dist.is_initialized():
-        raise ConfigError("zero_cache.initialize: dp_group given but torch.distributed is not initialised")
+        raise ZeroConfigError("zero_cache.initialize: dp_group given but torch.distributed is not initialised")
     dp = dist.get_world_size(dp_group) if dist.is_initialized() else 1
     cfg = parse_config(config, dp)
     return ZeroEngine(model, cfg, dp_group=dp_group, model_parallel_group=model_parallel_group,

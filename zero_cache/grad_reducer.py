@@ -37,7 +37,6 @@ from .comm import Comm, group_all_reduce
 from .partition import FlatChunk, ParamSlot
 from .store import DEVICE, ShardStore
 
-
 NormRanges = Sequence[tuple[int, int]] | None  # shard ranges counted in the global norm (None: all)
 
 

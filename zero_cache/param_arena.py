@@ -64,11 +64,10 @@ class ParamArena:
     def place(self, chunk: FlatChunk) -> bool:
         """Point ``chunk.full`` at a free region that holds it; False (nothing changed) when none does."""
         need = self.need(chunk)
-        for k, (off, length) in enumerate(self._free):
-            if length >= need:
-                break
-        else:
+        k = next((i for i, (_, length) in enumerate(self._free) if length >= need), None)
+        if k is None:
             return False
+        off, length = self._free[k]
         if length == need:
             del self._free[k]
         else:

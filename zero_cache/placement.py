@@ -28,7 +28,7 @@ import psutil
 import torch
 
 from .aio import round_up
-from .config import ConfigError, ZeroCacheConfig
+from .config import ZeroCacheConfig, ZeroConfigError
 from .partition import ChunkPlan
 from .store import DEVICE, HOST, NVME, TIERS
 
@@ -207,7 +207,7 @@ def place_states(plans: list[ChunkPlan], sub_groups: list[list[int]], cfg: ZeroC
              NVME: "free disk space under nvme_path or raise zero_optimization.memory_budget.nvme"}
     for tier, need in needs.items():
         if need > budgets[tier]:
-            raise ConfigError(f"zero_cache: model states need {need} bytes on the {tier} tier but its budget is "
+            raise ZeroConfigError(f"zero_cache: model states need {need} bytes on the {tier} tier but its budget is "
                               f"{budgets[tier]} bytes; {fixes[tier]}")
     return with_read_ahead(placed, sub_groups, budgets[HOST] - needs[HOST], z.pipeline_optimizer)
 

@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from megatron.data.utils import global_rank, log_rank0
 
-
 BUILT_OK, BUILD_FAILED = 1, 2  # rank 0's outcome; the other ranks contribute 0 to the sum
 
 

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron.core import parallel_state as ps
 from megatron.core.deferred_init import defer_norm
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, RNGStatesTracker, divide
+from megatron.core.tensor_parallel import ColumnParallelLinear, RNGStatesTracker, RowParallelLinear, divide
 from megatron.core.transformer_config import TransformerConfig
 from megatron.model.rotary import apply_rotary
 
@@ -71,7 +71,8 @@ class MLP(nn.Module):
         super().__init__()
         h, f, bias = config.hidden_size, config.ffn_hidden_size, config.add_bias_linear
         self.swiglu = config.swiglu
-        self.linear_fc1 = ColumnParallelLinear(h, f, bias=bias, init_method=config.init_method(prefix + "linear_fc1.weight"))
+        self.linear_fc1 = ColumnParallelLinear(h, f, bias=bias,
+                                               init_method=config.init_method(prefix + "linear_fc1.weight"))
         if self.swiglu:
             self.linear_fc1_gate = ColumnParallelLinear(
                 h, f, bias=bias, init_method=config.init_method(prefix + "linear_fc1_gate.weight"))

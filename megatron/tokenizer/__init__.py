@@ -1,7 +1,12 @@
 """Tokenizers with Megatron's flags: GPT-2 byte-level BPE, SentencePiece, HF tokenizer.json, Null."""
 from megatron.tokenizer.base import MegatronTokenizer
-from megatron.tokenizer.config import (TOKENIZER_TYPES, TokenizerConfig, add_tokenizer_args, build_tokenizer,
-                                       tokenizer_config_from_args)
+from megatron.tokenizer.config import (
+                                       TOKENIZER_TYPES,
+                                       TokenizerConfig,
+                                       add_tokenizer_args,
+                                       build_tokenizer,
+                                       tokenizer_config_from_args,
+)
 from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
 from megatron.tokenizer.hf_tokenizer import HFTokenizer
 from megatron.tokenizer.null_tokenizer import NullTokenizer

@@ -26,15 +26,12 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
+from zero_cache.checkpoint import CheckpointError
 
 CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
 _MP_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be written or restored; the message names the file and the fix."""
 
 
 @dataclass(frozen=True)
@@ -248,7 +245,9 @@ def _gather_dp_rng_states(mesh: _Mesh, rng_tracker) -> list[dict]:
 # ----- save / load -----
 def save_checkpoint(cfg: CheckpointConfig, iteration: int, model: torch.nn.Module, optimizer, scheduler, *,
                     consumed_samples: int, args: dict, rng_tracker=None) -> str:
-    """Write ``<save>/iter_<iteration, 7 digits>`` for this rank's (tp, pp) and update the tracker. All ranks must call it.
+    """Write ``<save>/iter_<iteration, 7 digits>`` for this rank's (tp, pp) and update the tracker.
+
+    All ranks must call it.
 
     ``optimizer.state_dict()`` and ``scheduler.state_dict()`` are called on every rank (they may be
     collective); only data-parallel rank 0 of each (tp, pp) writes. Returns the iteration directory.

@@ -126,7 +126,8 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
     par, t = cfg.parallel, cfg.train
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     workers = cfg.data.num_workers
-    train_iter = iter(build_pretraining_data_loader(train_ds, consumed, par.micro_batch_size, dp_rank, dp_size, workers))
+    train_iter = iter(build_pretraining_data_loader(train_ds, consumed, par.micro_batch_size, dp_rank, dp_size,
+                                                    workers))
     valid_iter = None
     if valid_ds is not None and t.eval_iters > 0:
         valid_consumed = (iteration // t.eval_interval) * t.eval_iters * par.global_batch_size

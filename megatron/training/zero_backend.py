@@ -19,8 +19,14 @@ from megatron.core import parallel_state as ps
 from megatron.core.deferred_init import initial_value
 from megatron.core.tensor_parallel import param_is_tensor_parallel_duplicate
 from megatron.training.arguments import Config, ConfigError
-from megatron.training.checkpointing import (CheckpointConfig, get_rng_state, read_tracker, set_rng_state, to_plain,
-                                             write_tracker)
+from megatron.training.checkpointing import (
+    CheckpointConfig,
+    get_rng_state,
+    read_tracker,
+    set_rng_state,
+    to_plain,
+    write_tracker,
+)
 
 
 def _agree(ds: dict, key: str, value, flag: str) -> None:
@@ -92,7 +98,7 @@ class ZeroBackend:
                 param_groups=[{"params": decay, "weight_decay": cfg.optimizer.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
                 param_init=initial_value)
-        except zero_cache.ConfigError as e:
+        except zero_cache.ZeroConfigError as e:
             raise ConfigError(str(e)) from None
         if model.post_process and model.pre_process and model.output_layer.weight is None:
             # The tied output head reads the embedding's weight outside the embedding module.

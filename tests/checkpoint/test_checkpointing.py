@@ -58,6 +58,7 @@ def test_layout_and_weights_only(saved, mesh):
                                                   "rng_tracker_states"}
 
 
+@pytest.mark.multiprocess
 def test_round_trip_in_fresh_processes_is_exact(saved):
     root, before_all = saved
     loaded = [unpack(r) for r in run_distributed(load_worker, 4, root, MESHES)]

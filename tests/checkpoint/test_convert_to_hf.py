@@ -65,7 +65,8 @@ def test_hf_configs_carry_our_hyperparameters(single_rank, saved, tmp_path):
     convert_to_hf.convert(str(tmp_path / "llama"), load=os.path.join(saved[0], "tp2pp2", "llama"))
     gpt2 = json.loads((tmp_path / "gpt2" / "config.json").read_text())
     llama = json.loads((tmp_path / "llama" / "config.json").read_text())
-    assert (gpt2["activation_function"], gpt2["n_positions"], gpt2["vocab_size"], gpt2["n_inner"]) == ("gelu", 16, 64, 128)
+    got = (gpt2["activation_function"], gpt2["n_positions"], gpt2["vocab_size"], gpt2["n_inner"])
+    assert got == ("gelu", 16, 64, 128)
     assert gpt2["tie_word_embeddings"] is True
     assert (llama["num_key_value_heads"], llama["head_dim"], llama["rms_norm_eps"]) == (2, 8, 1e-6)
     assert llama["rope_parameters"]["rope_theta"] == 5000.0 and llama["tie_word_embeddings"] is False
@@ -98,6 +99,7 @@ def test_consolidated_state_dict_input(single_rank, saved, tmp_path, family):
                               args_from=str(tmp_path / "wrong.json"))
 
 
+@pytest.mark.multiprocess
 def test_command_line(saved, tmp_path):
     out = tmp_path / "hf"
     run = subprocess.run([sys.executable, os.path.join(REPO, "tools", "checkpoint", "convert_to_hf.py"),

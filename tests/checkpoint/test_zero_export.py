@@ -5,13 +5,14 @@ import pytest
 import torch
 
 from megatron.model.gpt_model import GPTModel
-
 from tests.training.parallel_harness import LLAMA_STYLE, TINY_GPT, train
 from tests.training.test_zero_trainer import _ds_config
 from tools.checkpoint.convert_to_hf import convert
 from tools.checkpoint.loader import model_config_from_args
 from tools.checkpoint.zero_to_fp32 import zero_to_fp32
 from zero_cache.checkpoint.consolidate import load_consolidated
+
+pytestmark = pytest.mark.multiprocess
 
 
 @pytest.mark.parametrize("extra, mesh", [
@@ -27,7 +28,7 @@ def test_zero3_checkpoint_consolidates_to_trained_weights(single_rank, tmp_path,
     state = load_consolidated(str(out))
     assert state.keys() == trained.keys()
     for name, t in trained.items():
-        torch.testing.assert_close(state[name], t, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(state[name], t, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
     hf = convert(str(tmp_path / "hf"), state_dict=str(out)).eval()  # args come from out/args.json
     cfg = model_config_from_args(json.loads((out / "args.json").read_text()))
     ours = GPTModel(cfg).eval()

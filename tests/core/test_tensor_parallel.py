@@ -1,7 +1,6 @@
 """Tensor-parallel layers and the mesh against their single-process equivalents."""
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core import parallel_state as ps
@@ -40,6 +39,7 @@ def _tp_layers(rank, world, tp):
             "emb_grad": emb.weight.grad, "row_b_grad": row.bias.grad, "tp_rank": ps.get_tensor_model_parallel_rank()}
 
 
+@pytest.mark.multiprocess
 def test_tp2_layers_match_single_process():
     ref = run_distributed(_tp_layers, 1, 1)[0]
     outs = run_distributed(_tp_layers, 2, 2)
@@ -71,6 +71,7 @@ def _vocab_ce(rank, world):
     return True
 
 
+@pytest.mark.multiprocess
 def test_vocab_parallel_cross_entropy_matches_torch():
     assert all(run_distributed(_vocab_ce, 2))
 
@@ -84,6 +85,7 @@ def _groups(rank, world, tp, pp):
             "emb": ps.get_embedding_group() is not None}
 
 
+@pytest.mark.multiprocess
 def test_rank_order_tp_fastest_then_dp_then_pp():
     outs = run_distributed(_groups, 8, 2, 2)
     for rank, o in enumerate(outs):

@@ -19,8 +19,15 @@ import zero_cache
 from tests.cuda.common import device_reference, make_device_model
 from tests.dist_utils import run_distributed
 from tests.training.parallel_harness import TINY_GPT
-from tests.zero_cache.common import (GAS, assert_close_losses, assert_close_weights, batches, ds_config, to_numpy,
-                                     train_engine)
+from tests.zero_cache.common import (
+    GAS,
+    assert_close_losses,
+    assert_close_weights,
+    batches,
+    ds_config,
+    to_numpy,
+    train_engine,
+)
 from zero_cache import comm as zc_comm
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),

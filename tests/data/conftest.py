@@ -14,7 +14,8 @@ MULTILINGUAL = [
     "안녕하세요 세계. Привет, мир! Γειά σου Κόσμε. שלום עולם. مرحبا بالعالم ١٢٣٤٥",
     "हिन्दी पाठ और संख्याएँ १२३। தமிழ் உரை. ภาษาไทย ไม่มีช่องว่าง",
     "Emoji 🙂👍🏽 👨‍👩‍👧‍👦 🇫🇷 ❤️ and symbols ∑∫√∞ ≠ ≤ ½ ¾ ² ³ ℃ №",
-    "Combining: e\u0301 a\u0308 n\u0303; zero width\u200bjoiner\u200d; NBSP\u00a0here; em\u2003space; ideographic\u3000space",
+    "Combining: e\u0301 a\u0308 n\u0303; zero width\u200bjoiner\u200d; NBSP\u00a0here; em\u2003space; "
+    "ideographic\u3000space",
     "Whitespace\t\ttabs\r\nwindows lines\n\n\nblank lines   trailing spaces   \n  leading",
     "code: def f(x):\n    return x**2 + 1  # comment\nprint(f(3))\n{'a': [1, 2.5e-3, None]}",
     "Numbers 1234567890 3.14159 1,000,000 0xFF 10^9 Ⅻ ⅻ 𝟘𝟙𝟚 and contractions I'm you're he'd 'S 'LL",

@@ -3,12 +3,19 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
 import torch
 
-from megatron.data import (add_data_args, build_pretraining_data_loader, build_train_valid_test_datasets,
-                           data_config_from_args)
+from megatron.data import (
+    add_data_args,
+    build_pretraining_data_loader,
+    build_train_valid_test_datasets,
+    data_config_from_args,
+)
 from megatron.tokenizer import add_tokenizer_args, build_tokenizer, tokenizer_config_from_args
 from tools import make_sample_corpus, preprocess_data, train_tokenizer
+
+pytestmark = pytest.mark.multiprocess
 
 
 def test_corpus_to_batches(tmp_path):

@@ -9,8 +9,13 @@ import pytest
 
 from megatron.data import DataConfig, build_train_valid_test_datasets
 from megatron.data.gpt_dataset import GPTDataset
-from megatron.data.index_builders import (build_doc_idx, build_gpt_indices, build_sample_idx, num_epochs_needed,
-                                          split_boundaries)
+from megatron.data.index_builders import (
+    build_doc_idx,
+    build_gpt_indices,
+    build_sample_idx,
+    num_epochs_needed,
+    split_boundaries,
+)
 from megatron.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
 from tests.dist_utils import run_distributed
 
@@ -200,7 +205,8 @@ def test_cached_indices_reused_and_invalidated(tmp_path):
     again = gpt(tmp_path / "d", 50, 8, seed=3)
     assert not again.built_indices and {f: os.stat(cache / f).st_mtime_ns for f in files} == mtimes
     assert isinstance(again.shuffle_idx, np.memmap)
-    assert [again[i]["text"].tolist() for i in range(len(again))] == [first[i]["text"].tolist() for i in range(len(first))]
+    assert [again[i]["text"].tolist() for i in range(len(again))] == \
+        [first[i]["text"].tolist() for i in range(len(first))]
     for changed in (dict(num_samples=51), dict(seq_length=9), dict(seed=4), dict(documents=range(0, 30))):
         args = dict(num_samples=50, seq_length=8, seed=3) | changed
         assert gpt(tmp_path / "d", **args).built_indices, changed
@@ -232,6 +238,7 @@ def _build_on_ranks(rank, world_size, prefix, cache, bad_cache):
     return shared, None
 
 
+@pytest.mark.multiprocess
 def test_indices_built_on_rank0_and_shared(tmp_path):
     make_dataset(tmp_path / "d", [9, 31, 4, 17] * 8)
     cache, not_a_dir = str(tmp_path / "shared-cache"), tmp_path / "cache-is-a-file"

@@ -7,8 +7,12 @@ import struct
 import numpy as np
 import pytest
 
-from megatron.data.indexed_dataset import (MMapIndexedDataset, MMapIndexedDatasetBuilder, best_fitting_dtype,
-                                           merge_datasets)
+from megatron.data.indexed_dataset import (
+    MMapIndexedDataset,
+    MMapIndexedDatasetBuilder,
+    best_fitting_dtype,
+    merge_datasets,
+)
 from tools import merge_datasets as merge_tool
 
 # documents as lists of sequences (sentences); the third document is empty

@@ -8,8 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.data import (DataConfig, MegatronPretrainingSampler, build_pretraining_data_loader,
-                           build_train_valid_test_datasets, get_ltor_masks_and_position_ids)
+from megatron.data import (
+    DataConfig,
+    MegatronPretrainingSampler,
+    build_pretraining_data_loader,
+    build_train_valid_test_datasets,
+    get_ltor_masks_and_position_ids,
+)
 from megatron.data.mock_dataset import MockGPTDataset
 from megatron.tokenizer import NullTokenizer
 
@@ -44,11 +49,13 @@ def test_sampler_rejects_exhausted_dataset():
 def test_loader_resumes_exactly_and_splits_across_ranks():
     dataset = MockGPTDataset("train", 96, 8, 300, seed=3)
     mbs, dp = 2, 3
-    full = [[b["text"] for b in build_pretraining_data_loader(dataset, 0, mbs, r, dp, num_workers=0)] for r in range(dp)]
+    full = [[b["text"] for b in build_pretraining_data_loader(dataset, 0, mbs, r, dp, num_workers=0)]
+            for r in range(dp)]
     # one global batch = the dp ranks' micro-batches of a slice of consecutive samples
     step = 5
     global_batch = torch.cat([full[r][step] for r in range(dp)])
-    expected = torch.stack([torch.from_numpy(dataset[i]["text"]) for i in range(step * mbs * dp, (step + 1) * mbs * dp)])
+    first, end = step * mbs * dp, (step + 1) * mbs * dp
+    expected = torch.stack([torch.from_numpy(dataset[i]["text"]) for i in range(first, end)])
     assert torch.equal(global_batch, expected)
     # resuming from a checkpoint's consumed samples continues with exactly the next batches
     consumed = 7 * mbs * dp
@@ -61,6 +68,7 @@ def test_loader_resumes_exactly_and_splits_across_ranks():
     assert build_pretraining_data_loader(None, 0, 2, 0, 1, 0) is None
 
 
+@pytest.mark.multiprocess
 def test_worker_processes_do_not_change_batches():
     dataset = MockGPTDataset("valid", 24, 16, 5000, seed=9, eod=4999)
     plain = [b["text"] for b in build_pretraining_data_loader(dataset, 4, 4, 0, 1, num_workers=0)]

@@ -18,6 +18,8 @@ from megatron.tokenizer import GPT2BPETokenizer
 from tests.data.conftest import MULTILINGUAL, write_jsonl
 from tools import preprocess_data
 
+pytestmark = pytest.mark.multiprocess
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -186,8 +188,8 @@ def test_memory_stays_flat_on_large_input(tmp_path):
 
 
 def test_sample_corpus_is_deterministic(tmp_path):
-    runs = [subprocess.Popen([sys.executable, "-m", "tools.make_sample_corpus", "--output", str(tmp_path / f"c{i}.jsonl")],
-                             cwd=REPO, stdout=subprocess.PIPE) for i in range(2)]
+    runs = [subprocess.Popen([sys.executable, "-m", "tools.make_sample_corpus", "--output",
+                              str(tmp_path / f"c{i}.jsonl")], cwd=REPO, stdout=subprocess.PIPE) for i in range(2)]
     assert all(p.wait() == 0 for p in runs)
     first, second = ((tmp_path / f"c{i}.jsonl").read_bytes() for i in range(2))
     assert first == second and len(first) > 3_000_000

@@ -9,10 +9,21 @@ import pytest
 import regex
 from tokenizers import ByteLevelBPETokenizer, pre_tokenizers
 
-from megatron.tokenizer import (GPT2BPETokenizer, TokenizerConfig, add_tokenizer_args, build_tokenizer,
-                                tokenizer_config_from_args)
-from megatron.tokenizer.byte_level import (LETTER_CLASS, NUMBER_CLASS, OTHER_CLASS, Gpt2PreTokenizer,
-                                           bytes_to_unicode, unicode16_pattern)
+from megatron.tokenizer import (
+    GPT2BPETokenizer,
+    TokenizerConfig,
+    add_tokenizer_args,
+    build_tokenizer,
+    tokenizer_config_from_args,
+)
+from megatron.tokenizer.byte_level import (
+    LETTER_CLASS,
+    NUMBER_CLASS,
+    OTHER_CLASS,
+    Gpt2PreTokenizer,
+    bytes_to_unicode,
+    unicode16_pattern,
+)
 from tests.data.conftest import MULTILINGUAL, varied_corpus, write_jsonl
 from tools import train_tokenizer
 

@@ -78,7 +78,7 @@ def standin_report(output: str) -> dict:
         return match.group(1)
     return {"allreduce": float(value("allreduce").split()[0]), "ranks": json.loads(value("ranks")),
             "tag": json.loads(value("tag")),
-            "losses": [float(loss) for _, loss in sorted((int(s), l) for s, l in _STEP_RE.findall(output))]}
+            "losses": [float(loss) for _, loss in sorted((int(s), v) for s, v in _STEP_RE.findall(output))]}
 
 
 def gpt_losses(output: str) -> list[float]:

@@ -40,6 +40,7 @@ def _torchrun_flags(words: list[str]) -> dict[str, str]:
     return {flags[i]: flags[i + 1] for i in range(0, len(flags), 2)}
 
 
+@pytest.mark.multiprocess
 def test_remote_command_survives_a_real_shell_unchanged(tmp_path):
     workdir = tmp_path / "dir with 'quote' and $HOME"
     workdir.mkdir()

@@ -9,6 +9,8 @@ import pytest
 from tests.launcher.launch_utils import STANDIN, LiveLauncher, run_launcher, standin_report
 from tests.launcher.standin_train import reference_losses
 
+pytestmark = pytest.mark.multiprocess
+
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}  # --num_gpus means CPU processes, also on a GPU machine
 TAG = "a b; touch pwned $(id) `id` 'q' \"dq\""
 

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.launcher.launch_utils import (REPO, STANDIN, LiveLauncher, gpt_losses, run_launcher, standin_report)
+from tests.launcher.launch_utils import REPO, STANDIN, LiveLauncher, gpt_losses, run_launcher, standin_report
 from tests.launcher.standin_train import reference_losses
+
+pytestmark = pytest.mark.multiprocess
 
 SETUP = REPO / "scripts" / "multinode_hosts.sh"
 GLOO_ENV = {"GLOO_SOCKET_IFNAME": "eth0"}  # each host's link to the others (its loopback is no use to peers)

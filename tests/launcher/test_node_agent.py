@@ -6,8 +6,11 @@ import subprocess
 import sys
 
 import psutil
+import pytest
 
 from zero_cache.launcher.commands import AGENT_PATH
+
+pytestmark = pytest.mark.multiprocess
 
 
 def _agent(*args: str, **popen) -> subprocess.Popen:

@@ -8,6 +8,8 @@ from megatron.data import get_ltor_masks_and_position_ids
 from megatron.model.gpt_model import GPTModel
 from tests.dist_utils import run_distributed
 
+pytestmark = pytest.mark.multiprocess
+
 
 def _model(**kw):
     cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=12,

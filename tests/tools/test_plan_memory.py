@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import run_distributed
-from tools.model_sizes import SIZES
 from tests.training.parallel_harness import TINY_GPT
 from tools.memory_planner import EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, EXIT_FITS, GiB, Option, Planner, with_layers
+from tools.model_sizes import SIZES
 from tools.plan_memory import main, request_from_args
 
 # TINY_GPT's model as planner flags (its NullTokenizer --vocab-size 100 has 101 ids, padded to 128).
@@ -49,6 +49,7 @@ def _train_and_report(rank, world, config_paths):
     return reports
 
 
+@pytest.mark.multiprocess
 def test_planned_states_match_the_engines_memory_report(tmp_path):
     nvme = str(tmp_path / "nvme")
     planner = _tiny_planner(nvme)

@@ -8,6 +8,8 @@ import pytest
 from tests.dist_utils import run_distributed
 from tests.training.parallel_harness import TINY_GPT
 
+pytestmark = pytest.mark.multiprocess
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -21,7 +23,8 @@ def _flag_value(argv, flag, value):
     (["--tensor-model-parallel-size", "3"], "4",
      "world size 4 is not divisible by tensor-parallel size 3 x pipeline-parallel size 1"),
     (["--global-batch-size", "7"], "1", "--global-batch-size 7 is not divisible by --micro-batch-size 2"),
-    (["--pipeline-model-parallel-size", "3"], "3", "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"),
+    (["--pipeline-model-parallel-size", "3"], "3",
+     "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"),
     (["--fp16", "--bf16"], "1", "--fp16 and --bf16 are mutually exclusive"),
 ])
 def test_bad_mesh_and_batch_give_one_clear_line(argv, env_world, expected):

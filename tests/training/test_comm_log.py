@@ -34,6 +34,7 @@ def _scalars(tb_dir) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+@pytest.mark.multiprocess
 def test_zero3_pretrain_prints_comm_line_and_writes_tensorboard(tmp_path):
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"zero_optimization": {

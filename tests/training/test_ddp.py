@@ -46,10 +46,10 @@ def _data(n=8, seq=5, seed=0):
 def _train_step(ddp, opt, tokens, labels, micro_batches):
     """Megatron's step protocol: no_sync for all but the last micro-batch, loss / micro-batches."""
     opt.zero_grad()
-    for i, (t, l) in enumerate(zip(tokens.chunk(micro_batches), labels.chunk(micro_batches))):
+    for i, (t, lab) in enumerate(zip(tokens.chunk(micro_batches), labels.chunk(micro_batches))):
         last = i == micro_batches - 1
         with ddp.no_sync() if not last else torch.enable_grad():
-            (ddp(t, l) / micro_batches).backward()
+            (ddp(t, lab) / micro_batches).backward()
     ddp.finish_grad_sync()
     return opt.step()
 
@@ -86,23 +86,24 @@ def _bf16_dp_grads_match(rank):
     ddp = DistributedDataParallel(model, ps.get_data_parallel_group(), bucket_size=40)
     tokens, labels = _data()
     quarters = list(zip(tokens.chunk(4), labels.chunk(4)))
-    for i, (t, l) in enumerate(quarters[2 * rank:2 * rank + 2]):
+    for i, (t, lab) in enumerate(quarters[2 * rank:2 * rank + 2]):
         with ddp.no_sync() if i == 0 else torch.enable_grad():
-            (ddp(t, l) / 2).backward()
+            (ddp(t, lab) / 2).backward()
     ddp.finish_grad_sync()
     ref = TiedLM().to(torch.bfloat16)
     per_rank = []
     for r in range(2):
         acc = [torch.zeros(p.shape) for p in ref.parameters()]
-        for t, l in quarters[2 * r:2 * r + 2]:
+        for t, lab in quarters[2 * r:2 * r + 2]:
             ref.zero_grad()
-            (ref(t, l) / 2).backward()
+            (ref(t, lab) / 2).backward()
             acc = [a + q.grad.float() for a, q in zip(acc, ref.parameters())]
         per_rank.append(acc)
     expected = [(a + b) / 2 for a, b in zip(*per_rank)]
     return all(p.grad is None and torch.equal(p.main_grad, e) for p, e in zip(model.parameters(), expected))
 
 
+@pytest.mark.multiprocess
 def test_dp2_two_microbatches_equals_single_process_full_batch():
     for n_buckets, grad_err, param_err, norms, bf16_match in run_distributed(_dp_worker, 2):
         assert n_buckets >= 3 and bf16_match
@@ -140,6 +141,7 @@ def _overlap_worker(rank, world_size):
         no_sync_events, backward_events, events[len(backward_events):]
 
 
+@pytest.mark.multiprocess
 def test_first_bucket_all_reduce_launches_before_backward_finishes():
     for bucket_layout, no_sync_events, backward_events, after_events in run_distributed(_overlap_worker, 2):
         assert bucket_layout == [True] * 4  # one bucket per layer, last layer first

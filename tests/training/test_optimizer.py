@@ -198,6 +198,7 @@ def _tp_norm_worker(rank, world_size):
     return ok, tp_norm, ref_norm, max(float(e) for e in errors)
 
 
+@pytest.mark.multiprocess
 def test_grad_norm_under_tensor_parallel_equals_full_model():
     results = run_distributed(_tp_norm_worker, 2)
     for ok, tp_norm, ref_norm, max_err in results:

@@ -6,6 +6,8 @@ import torch
 
 from tests.training.parallel_harness import LLAMA_STYLE, TINY_GPT, train
 
+pytestmark = pytest.mark.multiprocess
+
 
 @functools.lru_cache(maxsize=None)
 def _reference(extra: tuple[str, ...]):
@@ -21,7 +23,7 @@ def _check(extra: list[str], mesh: list[str], world: int):
     assert ref_losses[10] < ref_losses[1]  # it did train
     assert params.keys() == ref_params.keys()
     for name, ref in ref_params.items():
-        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     # Tied embedding: the last stage's copy stays equal to the first stage's.
     for o in outs:
         if o["shared"] is not None:

@@ -4,6 +4,8 @@ import pytest
 from tests.training.parallel_harness import TINY_GPT, train
 from tests.training.test_zero_trainer import _ds_config
 
+pytestmark = pytest.mark.multiprocess
+
 
 def _resume_matches(tmp_path, extra: list[str], world: int):
     full, _, _ = train(TINY_GPT + extra, world)

@@ -19,17 +19,20 @@ def _ds_config(tmp_path, stage: int, offload: bool = False, nvme: bool = False) 
     return ["--deepspeed", "--deepspeed_config", str(path)]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stage_dp2_matches_reference(tmp_path, stage):
     _check([], _ds_config(tmp_path, stage), 2)
 
 
+@pytest.mark.multiprocess
 def test_zero3_offload_tp2pp2dp2_matches_reference(tmp_path):
     """ZeRO-3 under pipeline parallelism with the 1F1B schedule (DeepSpeed refuses this combination)."""
     flags, world = MESHES["tp2pp2dp2"]
     _check([], flags + _ds_config(tmp_path, 3, offload=True), world)
 
 
+@pytest.mark.multiprocess
 def test_zero3_states_on_ssd_tp2pp2dp2_matches_reference(tmp_path):
     """Optimizer states and parameter shards in SSD page files, pipelined step, under TP2 x PP2 x DP2."""
     flags, world = MESHES["tp2pp2dp2"]
@@ -48,6 +51,7 @@ def test_shipped_example_configs_parse(name):
     assert cfg.zero_optimization.stage == 3
 
 
+@pytest.mark.multiprocess
 def test_config_disagreeing_with_flags_is_one_clear_error(tmp_path):
     import subprocess
     import sys
@@ -65,6 +69,7 @@ def test_config_disagreeing_with_flags_is_one_clear_error(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.multiprocess
 def test_misspelled_key_names_the_nearest(tmp_path):
     import subprocess
     import sys
@@ -82,6 +87,7 @@ def test_misspelled_key_names_the_nearest(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("precision", ["--bf16", "--fp16"])
 def test_zero3_mixed_precision_trains(tmp_path, precision):
     from tests.training.parallel_harness import TINY_GPT, train

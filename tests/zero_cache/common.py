@@ -23,7 +23,8 @@ class Block(nn.Module):
 
     def forward(self, x):
         h = self.ln1(x)
-        mixed = h.cumsum(1) / torch.arange(1, h.shape[1] + 1, dtype=h.dtype, device=h.device).view(1, -1, 1)  # causal mean
+        counts = torch.arange(1, h.shape[1] + 1, dtype=h.dtype, device=h.device).view(1, -1, 1)
+        mixed = h.cumsum(1) / counts  # causal mean
         return x + self.gate * self.fc2(torch.relu(self.fc1(h + mixed)))
 
 
@@ -143,4 +144,5 @@ def to_numpy(sd: dict) -> dict:
 def assert_close_weights(got: dict, ref: dict, atol: float = 1e-5, rtol: float = 1e-5) -> None:
     assert set(got) == set(ref), f"keys differ: {set(got) ^ set(ref)}"
     for k in ref:
-        torch.testing.assert_close(torch.as_tensor(got[k]), ref[k], atol=atol, rtol=rtol, msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(torch.as_tensor(got[k]), ref[k], atol=atol, rtol=rtol,
+                                   msg=lambda m, k=k: f"{k}: {m}")

@@ -5,13 +5,23 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import zero_cache
 from tests.dist_utils import run_distributed
-from tests.zero_cache.common import (assert_close_weights, batches, ds_config, make_model, reference_run, to_numpy,
-                                     train_engine)
+from tests.zero_cache.common import (
+    assert_close_weights,
+    batches,
+    ds_config,
+    make_model,
+    reference_run,
+    to_numpy,
+    train_engine,
+)
 from zero_cache.checkpoint.consolidate import load_consolidated
+
+pytestmark = pytest.mark.multiprocess
 
 DP = 2
 

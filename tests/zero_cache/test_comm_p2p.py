@@ -13,6 +13,8 @@ import torch.distributed as dist
 from tests.dist_utils import run_distributed
 from zero_cache.comm import Comm, CommProfiler
 
+pytestmark = pytest.mark.multiprocess
+
 SHARD = 1000  # elements per rank
 
 
@@ -54,7 +56,7 @@ def _run(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_p2p_collectives_equal_gloo(world_size):
     outs = run_distributed(_run, world_size, timeout=120)
-    for rank, o in enumerate(outs):
+    for o in outs:
         assert o["total"] == sum(range(world_size))
         for got, ref in zip(o["gathered"], o["ref_gathered"]):
             assert torch.equal(got, ref)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from zero_cache.config import ConfigError, parse_config
+from zero_cache.config import ZeroConfigError, parse_config
 
 FULL = {
     "train_batch_size": 32, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
@@ -53,7 +53,8 @@ def test_batch_size_is_derived():
 
 @pytest.mark.parametrize("config,message", [
     ({"zero_optimization": {"stage3_prefetch_bucket": 10}},
-     "unknown key 'zero_optimization.stage3_prefetch_bucket'; did you mean 'zero_optimization.stage3_prefetch_bucket_size'?"),
+     "unknown key 'zero_optimization.stage3_prefetch_bucket'; "
+     "did you mean 'zero_optimization.stage3_prefetch_bucket_size'?"),
     ({"gradient_clip": 1.0}, "unknown key 'gradient_clip'; did you mean 'gradient_clipping'?"),
     ({"zero_optimization": {"offload_optimizer": {"devcie": "cpu"}}},
      "did you mean 'zero_optimization.offload_optimizer.device'?"),
@@ -76,13 +77,13 @@ def test_batch_size_is_derived():
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enable at most one"),
 ])
 def test_bad_config_is_one_clear_error(config, message):
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ZeroConfigError) as e:
         parse_config(config, dp_world_size=2)
     assert message in str(e.value)
 
 
 def test_missing_file_is_clear(tmp_path):
-    with pytest.raises(ConfigError, match="does not exist"):
+    with pytest.raises(ZeroConfigError, match="does not exist"):
         parse_config(str(tmp_path / "nope.json"))
 
 

@@ -10,6 +10,8 @@ from torch import nn
 import zero_cache
 from tests.dist_utils import run_distributed
 
+pytestmark = pytest.mark.multiprocess
+
 DP, GAS, MICRO, STEPS = 2, 2, 2, 4
 LR, BETAS, WD, CLIP = 1e-3, (0.9, 0.95), 0.1, 1.0
 
@@ -22,7 +24,8 @@ def _model() -> nn.Module:
 
 def _data():
     g = torch.Generator().manual_seed(1)
-    return torch.randn(STEPS, DP * GAS * MICRO, 128, generator=g), torch.randn(STEPS, DP * GAS * MICRO, 128, generator=g)
+    shape = (STEPS, DP * GAS * MICRO, 128)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
 
 
 def _reference():
@@ -75,8 +78,8 @@ def _train_both(rank, world_size, nvme, pipeline, ssd_budget, host_budget):
     return _train(rank, world_size, nvme, pipeline, ssd_budget), _train(rank, world_size, nvme, pipeline, host_budget)
 
 
-@pytest.mark.parametrize("pipeline,ssd_budget,host_budget", [(True, 1_760_000, 1_780_000), (False, 1_000_000, 1_200_000)],
-                         ids=["pipeline", "plain"])
+@pytest.mark.parametrize("pipeline,ssd_budget,host_budget",
+                         [(True, 1_760_000, 1_780_000), (False, 1_000_000, 1_200_000)], ids=["pipeline", "plain"])
 def test_grads_on_ssd_match_reference(tmp_path, pipeline, ssd_budget, host_budget):
     ref_losses, ref_weights = _reference()
     results = run_distributed(_train_both, DP, str(tmp_path), pipeline, ssd_budget, host_budget)

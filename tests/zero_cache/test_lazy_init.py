@@ -13,8 +13,7 @@ from torch import nn
 
 import zero_cache
 from tests.dist_utils import run_distributed
-from tests.zero_cache.common import (assert_close_losses, batches, ds_config, make_model,
-                                     to_numpy, train_engine)
+from tests.zero_cache.common import assert_close_losses, batches, ds_config, make_model, to_numpy, train_engine
 
 
 def _eager_values(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -45,6 +44,7 @@ def _lazy_vs_eager(rank, world_size):
     return ref, got, sorted(calls) == sorted(values)
 
 
+@pytest.mark.multiprocess
 def test_lazy_model_trains_like_eager():
     for (ref_losses, ref_w), (losses, w), all_called in run_distributed(_lazy_vs_eager, 2):
         assert all_called
@@ -86,6 +86,7 @@ def _peak_rss_of_lazy_build(rank, world_size, nvme):
     return grown, model_bytes, host, float(first.min()), float(first.max())
 
 
+@pytest.mark.multiprocess
 def test_lazy_build_never_holds_the_model(tmp_path):
     grown, model_bytes, host, lo, hi = run_distributed(_peak_rss_of_lazy_build, 1, str(tmp_path))[0]
     assert lo == hi == 0.5  # the values came from param_init and reached the SSD page file

@@ -10,9 +10,23 @@ import torch
 
 import zero_cache
 from tests.dist_utils import run_distributed
-from tests.zero_cache.common import (BETAS, CLIP, EPS, LR, STEPS, WD, assert_close_losses, assert_close_weights,
-                                     batches, ds_config, make_model, reference_run, to_numpy, train_engine)
-from zero_cache.config import ConfigError, parse_config
+from tests.zero_cache.common import (
+    BETAS,
+    CLIP,
+    EPS,
+    LR,
+    STEPS,
+    WD,
+    assert_close_losses,
+    assert_close_weights,
+    batches,
+    ds_config,
+    make_model,
+    reference_run,
+    to_numpy,
+    train_engine,
+)
+from zero_cache.config import ZeroConfigError, parse_config
 
 DP = 2
 
@@ -87,5 +101,5 @@ def test_lock_free_update_matches_delayed_reference_and_trains(results, device):
 
 
 def test_lock_free_update_needs_an_offloaded_optimizer():
-    with pytest.raises(ConfigError, match="'zero_optimization.lock_free_update' overlaps the offloaded optimizer"):
+    with pytest.raises(ZeroConfigError, match="'zero_optimization.lock_free_update' overlaps the offloaded optimizer"):
         parse_config({"zero_optimization": {"lock_free_update": True}})

@@ -1,11 +1,14 @@
 """fp16 dynamic loss scaling (overflow -> skip + lower scale -> recover) and bf16 training, stage 3, DP=2."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import zero_cache
 from tests.dist_utils import run_distributed
 from tests.zero_cache.common import batches, ds_config, make_model, rank_micro_batches, reference_run
+
+pytestmark = pytest.mark.multiprocess
 
 DP, STEPS, BAD_STEP = 2, 8, 2
 

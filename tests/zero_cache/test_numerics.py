@@ -5,8 +5,19 @@ import pytest
 
 import zero_cache
 from tests.dist_utils import run_distributed
-from tests.zero_cache.common import (CLIP, GAS, STEPS, assert_close_losses, assert_close_weights, batches, ds_config,
-                                     make_model, reference_run, to_numpy, train_engine)
+from tests.zero_cache.common import (
+    CLIP,
+    GAS,
+    STEPS,
+    assert_close_losses,
+    assert_close_weights,
+    batches,
+    ds_config,
+    make_model,
+    reference_run,
+    to_numpy,
+    train_engine,
+)
 
 CASES = [(stage, offload) for stage in (1, 2, 3) for offload in (False, True)]
 

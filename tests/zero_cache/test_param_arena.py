@@ -10,8 +10,16 @@ import torch
 
 import zero_cache
 from tests.dist_utils import run_distributed
-from tests.zero_cache.common import (assert_close_losses, assert_close_weights, batches, ds_config, make_model,
-                                     reference_run, to_numpy, train_engine)
+from tests.zero_cache.common import (
+    assert_close_losses,
+    assert_close_weights,
+    batches,
+    ds_config,
+    make_model,
+    reference_run,
+    to_numpy,
+    train_engine,
+)
 from zero_cache.param_arena import ParamArena, region_numel
 from zero_cache.partition import ChunkPlan, FlatChunk
 
@@ -78,6 +86,7 @@ def _global_losses(per_rank) -> list[float]:
 
 @pytest.mark.parametrize("checkpointing,params_on_ssd", [(False, False), (True, False), (True, True)],
                          ids=["saved-tensors", "recompute", "recompute-params-on-ssd"])
+@pytest.mark.multiprocess
 def test_small_arena_trains_like_reference(tmp_path, checkpointing, params_on_ssd):
     """An arena of two of the largest chunks (the planner's choice) forces evictions every step."""
     ref_losses, ref_weights = reference_run(STEPS, activation_checkpointing=checkpointing)
@@ -91,6 +100,7 @@ def test_small_arena_trains_like_reference(tmp_path, checkpointing, params_on_ss
     assert_close_weights(per_rank[0]["weights"], ref_weights[-1])  # gather_state_dict: on rank 0
 
 
+@pytest.mark.multiprocess
 def test_arena_holding_every_chunk_gathers_each_once_per_step():
     ref_losses, ref_weights = reference_run(STEPS, activation_checkpointing=True)
     # Without the arena every chunk is gathered for forward, recomputation and backward of each micro-batch.

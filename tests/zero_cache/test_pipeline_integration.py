@@ -3,14 +3,24 @@ several micro-batch forwards in flight before their backwards, a word embedding 
 stage (tied_param_groups), grad norm over the model-parallel group with the duplicate excluded."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import zero_cache
 from tests.dist_utils import run_distributed
-from tests.zero_cache.common import (STEPS, assert_close_losses, batches, ds_config, make_model, rank_micro_batches,
-                                     reference_run)
+from tests.zero_cache.common import (
+    STEPS,
+    assert_close_losses,
+    batches,
+    ds_config,
+    make_model,
+    rank_micro_batches,
+    reference_run,
+)
+
+pytestmark = pytest.mark.multiprocess
 
 PP, DP = 2, 2
 
@@ -86,7 +96,8 @@ def _train_stage(rank, zero_stage, dp_group, pp_group, **zero):
         result = engine.step()
         norms.append(result.grad_norm)
         losses.append(sum(step_losses) / len(step_losses) if step_losses else None)
-    tied_final = engine.gather_state_dict(rank0_only=False)["embed.weight" if pp_rank == 0 else "word_embeddings"].numpy()
+    tied_name = "embed.weight" if pp_rank == 0 else "word_embeddings"
+    tied_final = engine.gather_state_dict(rank0_only=False)[tied_name].numpy()
     return losses, norms, tied_final
 
 

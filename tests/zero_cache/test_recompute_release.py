@@ -5,12 +5,15 @@ nothing stays gathered after a backward pass, on any step (else one chunk per bl
 the step ends: +1 GB per rank at 24 layers of hidden 2048)."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import zero_cache
 from tests.dist_utils import run_distributed
+
+pytestmark = pytest.mark.multiprocess
 
 WIDTH, BLOCKS = 32, 4
 
@@ -39,8 +42,9 @@ class Stack(nn.Module):
 def _gathered_after_backward(rank, world_size):
     torch.manual_seed(0)
     config = {"train_batch_size": 2 * world_size, "train_micro_batch_size_per_gpu": 2,
-              "zero_optimization": {"stage": 3, "allgather_bucket_size": 5000, "stage3_param_persistence_threshold": 200,
-                                    "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}}
+              "zero_optimization": {"stage": 3, "allgather_bucket_size": 5000,
+                                    "stage3_param_persistence_threshold": 200, "stage3_max_reuse_distance": 0,
+                                    "stage3_prefetch_bucket_size": 0}}
     engine = zero_cache.initialize(model=Stack(), config=config)
     out = []
     for _ in range(3):  # step 1 records the trace; steps 2-3 prefetch and apply the reuse rule

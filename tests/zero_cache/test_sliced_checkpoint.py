@@ -24,7 +24,7 @@ from zero_cache import aio
 from zero_cache.checkpoint import CheckpointError
 from zero_cache.checkpoint import slices as slices_module
 from zero_cache.checkpoint.consolidate import consolidate, load_consolidated
-from zero_cache.config import AioConfig, ConfigError, parse_config
+from zero_cache.config import AioConfig, ZeroConfigError, parse_config
 from zero_cache.ssd_store import SSDStore
 from zero_cache.store import DeviceHostStore
 
@@ -138,6 +138,7 @@ def _resume_run(rank, world_size, nvme, ckpt):
     return out
 
 
+@pytest.mark.multiprocess
 def test_sliced_save_and_resume_beyond_the_host_budget_is_exact(tmp_path):
     nvme, ckpt = str(tmp_path / "nvme"), str(tmp_path / "ckpt")
     saved = run_distributed(_save_run, DP, nvme, ckpt, timeout=240)
@@ -355,5 +356,5 @@ def test_memory_store_range_io():
 
 
 def test_slice_size_is_validated():
-    with pytest.raises(ConfigError, match="'zero_optimization.save_large_model_slice_size' must be >= 1024"):
+    with pytest.raises(ZeroConfigError, match="'zero_optimization.save_large_model_slice_size' must be >= 1024"):
         parse_config({"zero_optimization": {"save_large_model_slice_size": 100}})

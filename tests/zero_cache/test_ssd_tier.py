@@ -15,8 +15,17 @@ import torch
 
 import zero_cache
 from tests.dist_utils import run_distributed
-from tests.zero_cache.common import (STEPS, assert_close_losses, assert_close_weights, batches, ds_config, make_model,
-                                     reference_run, to_numpy, train_engine)
+from tests.zero_cache.common import (
+    STEPS,
+    assert_close_losses,
+    assert_close_weights,
+    batches,
+    ds_config,
+    make_model,
+    reference_run,
+    to_numpy,
+    train_engine,
+)
 from zero_cache import aio
 from zero_cache.aio import SSDTierError
 from zero_cache.config import AioConfig
@@ -153,6 +162,7 @@ def _param_read_ahead(rank, world_size, nvme):
     return steps, report
 
 
+@pytest.mark.multiprocess
 def test_parameter_shards_are_read_ahead_of_their_gathers(tmp_path):
     steps, report = run_distributed(_param_read_ahead, DP, str(tmp_path), timeout=180)[0]
 
@@ -197,6 +207,7 @@ def _resume(rank, world_size, nvme, ckpt_dir):
     return rest
 
 
+@pytest.mark.multiprocess
 def test_resume_with_states_on_ssd_is_exact(tmp_path):
     nvme, ckpt = str(tmp_path / "nvme"), str(tmp_path / "ckpt")
     saved = run_distributed(_train_and_save, DP, nvme, ckpt, timeout=180)
@@ -337,6 +348,7 @@ def test_falls_back_to_buffered_io_when_o_direct_is_refused(tmp_path, monkeypatc
     store.close()
 
 
+@pytest.mark.multiprocess
 def test_swap_directory_is_removed_at_exit_without_close(tmp_path):
     code = ("import sys, torch; from zero_cache.ssd_store import SSDStore; from zero_cache.config import AioConfig\n"
             f"s = SSDStore(torch.device('cpu'), {str(tmp_path)!r}, AioConfig())\n"
@@ -365,7 +377,8 @@ def test_bf16_with_params_and_states_on_ssd_is_bit_identical_to_in_memory(tmp_pa
         assert runs[name][0] == runs["memory"][0]
         for k, v in runs["memory"][1].items():
             assert torch.equal(runs[name][1][k], v), k
-    assert runs["ssd"][2].by_kind_tier[("params", "nvme")] > 0 and runs["ssd"][2].by_kind_tier[("optimizer", "nvme")] > 0
+    ssd = runs["ssd"][2].by_kind_tier
+    assert ssd[("params", "nvme")] > 0 and ssd[("optimizer", "nvme")] > 0
     assert runs["params-ssd-states-host"][2].by_kind_tier[("optimizer", "host")] > 0
     assert runs["memory"][0][-1] < runs["memory"][0][0] - 0.05
 

@@ -5,10 +5,10 @@ import pytest
 from torch import nn
 
 import zero_cache
-from zero_cache.comm import CommEvent
-from zero_cache.coordinator import in_backward
 from tests.dist_utils import run_distributed
 from tests.zero_cache.common import assert_close_losses, batches, ds_config, make_model, reference_run, train_engine
+from zero_cache.comm import CommEvent
+from zero_cache.coordinator import in_backward
 
 DP = 2
 
@@ -98,6 +98,7 @@ def test_prefetch_issues_next_gather_before_current_forward_ends(stage3_results)
     assert all(overlapped(second_step, n, c) for n, c in pairs)
 
 
+@pytest.mark.multiprocess
 def test_activation_checkpointing_regathers_for_recompute():
     results = run_distributed(_activation_checkpointing, DP, timeout=180)
     ref_losses, _ = reference_run()

@@ -13,9 +13,18 @@ from torch import nn
 
 import zero_cache
 from tests.dist_utils import run_distributed
-from tests.zero_cache.common import (STEPS, assert_close_losses, assert_close_weights, batches, ds_config, make_model,
-                                     reference_run, to_numpy, train_engine)
-from zero_cache.config import ConfigError
+from tests.zero_cache.common import (
+    STEPS,
+    assert_close_losses,
+    assert_close_weights,
+    batches,
+    ds_config,
+    make_model,
+    reference_run,
+    to_numpy,
+    train_engine,
+)
+from zero_cache.config import ZeroConfigError
 
 DP = 2
 HOST_BUDGET = 43_000  # bytes: a little less than the tiny model's host-tier states need at DP=2 (about 44 KB)
@@ -66,16 +75,16 @@ def test_impossible_placements_are_clear_errors(tmp_path):
     model = make_model()
     cfg = ds_config(3, 1, offload_optimizer={"device": "cpu"}, prefetch_cache_sub_group_rate=1.0,
                     memory_budget={"device": 10_000})
-    with pytest.raises(ConfigError, match=r"need \d+ bytes on the device tier but its budget is 10000 bytes; lower "
+    with pytest.raises(ZeroConfigError, match=r"need \d+ bytes on the device tier but its budget is 10000 bytes; lower "
                                           r"prefetch_cache_sub_group_rate"):
         zero_cache.initialize(model=model, config=cfg)
     cfg = ds_config(3, 1, offload_optimizer={"device": "nvme", "nvme_path": str(tmp_path)},
                     memory_budget={"host": 1000})
-    with pytest.raises(ConfigError, match=r"on the host tier but its budget is 1000 bytes"):
+    with pytest.raises(ZeroConfigError, match=r"on the host tier but its budget is 1000 bytes"):
         zero_cache.initialize(model=model, config=cfg)
     cfg = ds_config(3, 1, offload_optimizer={"device": "nvme", "nvme_path": str(tmp_path)},
                     memory_budget={"nvme": 1000})
-    with pytest.raises(ConfigError, match=r"on the nvme tier but its budget is 1000 bytes; free disk space"):
+    with pytest.raises(ZeroConfigError, match=r"on the nvme tier but its budget is 1000 bytes; free disk space"):
         zero_cache.initialize(model=model, config=cfg)
 
 
@@ -137,5 +146,6 @@ def _rss_within_budgets(rank, world, tmp_path):
     return True
 
 
+@pytest.mark.multiprocess
 def test_process_rss_stays_within_budgets(tmp_path):
     assert run_distributed(_rss_within_budgets, 1, tmp_path)[0]

@@ -74,7 +74,7 @@ def zero_to_fp32(save_dir: str, out_dir: str, tag: str | None = None) -> dict[st
                 consolidate(save_dir, part_dir, tag, p * tp + t)
                 with open(os.path.join(part_dir, "index.json"), encoding="utf-8") as f:
                     parts.append((part_dir, json.load(f)["tensors"]))
-            for name, entry in parts[0][1].items():
+            for name in parts[0][1]:
                 if tied and name == OUTPUT_LAYER and p == pp - 1 and pp > 1:
                     continue  # the last stage's copy of the tied word embedding
                 full = _join([(os.path.join(d, idx[name]["file"]), idx[name]["shape"]) for d, idx in parts],

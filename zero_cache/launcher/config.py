@@ -86,5 +86,6 @@ def config_from_args(argv: list[str] | None = None) -> LaunchConfig:
         user_script=args.user_script, user_args=tuple(args.user_args), hostfile=args.hostfile,
         include=args.include, exclude=args.exclude, num_nodes=args.num_nodes, num_gpus=args.num_gpus,
         master_addr=args.master_addr, master_port=args.master_port, launcher=args.launcher,
-        launcher_args=tuple(os.path.expanduser(arg) for arg in shlex.split(args.launcher_args)), ssh_port=args.ssh_port, module=args.module,
+        launcher_args=tuple(os.path.expanduser(arg) for arg in shlex.split(args.launcher_args)),
+        ssh_port=args.ssh_port, module=args.module,
         no_python=args.no_python, force_multi=args.force_multi, stop_timeout=args.stop_timeout)

@@ -37,7 +37,8 @@ def installed_punkt_params(lang: str) -> punkt.PunktParameters | None:
         return None
 
 
-def train_punkt_params(texts: Iterable[str], max_bytes: int = PUNKT_TRAINING_BYTES) -> tuple[punkt.PunktParameters, int]:
+def train_punkt_params(texts: Iterable[str],
+                       max_bytes: int = PUNKT_TRAINING_BYTES) -> tuple[punkt.PunktParameters, int]:
     """Punkt parameters learned from the first ``max_bytes`` of ``texts``; also returns the bytes used."""
     sample, used = [], 0
     for text in texts:
