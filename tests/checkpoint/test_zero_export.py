@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from megatron.model.gpt_model import GPTModel
-from tests.training.parallel_harness import LLAMA_STYLE, TINY_GPT, train
-from tests.training.test_zero_trainer import _ds_config
+from tests.training.parallel_harness import LLAMA_STYLE, TINY_GPT, ds_config_flags, train
 from tools.checkpoint.convert_to_hf import convert
 from tools.checkpoint.loader import model_config_from_args
 from tools.checkpoint.zero_to_fp32 import zero_to_fp32
@@ -21,7 +20,7 @@ pytestmark = pytest.mark.multiprocess
 ], ids=["gpt2-pp2dp2", "llama-tp2dp2"])
 def test_zero3_checkpoint_consolidates_to_trained_weights(single_rank, tmp_path, extra, mesh):
     save = ["--save", str(tmp_path / "ckpt"), "--train-iters", "3"]
-    argv = [a for a in TINY_GPT] + extra + mesh + _ds_config(tmp_path, 3) + save
+    argv = [a for a in TINY_GPT] + extra + mesh + ds_config_flags(tmp_path, 3) + save
     _, trained, _ = train(argv, 4)
     out = tmp_path / "fp32"
     zero_to_fp32(str(tmp_path / "ckpt"), str(out))

@@ -10,7 +10,7 @@ from megatron.data import DataConfig, add_data_args, build_train_valid_test_data
 from megatron.data.blendable_dataset import BlendableDataset, samples_per_dataset
 from megatron.data.gpt_dataset import GPTDataset
 from megatron.data.index_builders import build_blending_indices
-from tests.data.test_gpt_dataset import make_dataset
+from tests.data.common import make_dataset
 
 
 def reference_blend(weights, size):

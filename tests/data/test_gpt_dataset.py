@@ -17,6 +17,7 @@ from megatron.data.index_builders import (
     split_boundaries,
 )
 from megatron.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
+from tests.data.common import make_dataset
 from tests.dist_utils import run_distributed
 
 
@@ -120,18 +121,6 @@ def test_split_boundaries_match_megatron():
     assert split_boundaries("80/10/10", 3) == [0, 3, 3, 3]  # rounding leaves 1 short; all shift up
     with pytest.raises(ValueError, match="--split"):
         split_boundaries("a,b", 10)
-
-
-def make_dataset(path, sizes, seed=0, vocab=1000):
-    rng = np.random.default_rng(seed)
-    builder = MMapIndexedDatasetBuilder(f"{path}.bin", np.uint16)
-    docs = []
-    for size in sizes:
-        tokens = rng.integers(0, vocab, size=size)
-        docs.append(tokens)
-        builder.add_document(tokens, [size] if size else [])
-    builder.finalize(f"{path}.idx")
-    return [d for d in docs if len(d)]  # empty documents hold no sequence
 
 
 def gpt(prefix, num_samples, seq_length, seed, cache=None, documents=None):

@@ -6,16 +6,15 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
-import psutil
 import pytest
 from tokenizers import ByteLevelBPETokenizer, Tokenizer
 
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.tokenizer import GPT2BPETokenizer
 from tests.data.conftest import MULTILINGUAL, write_jsonl
+from tests.memory_utils import PeakRSS
 from tools import preprocess_data
 
 pytestmark = pytest.mark.multiprocess
@@ -156,17 +155,12 @@ def _generate_jsonl(path, megabytes):
 
 
 def _peak_rss(argv):
-    """Run a command; return (peak summed RSS of it and its children, returncode)."""
+    """Run a command; return (peak summed RSS of it and its children, returncode, stderr)."""
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    root, peak = psutil.Process(proc.pid), 0
-    while proc.poll() is None:
-        try:
-            tree = [root] + root.children(recursive=True)
-            peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
-        except psutil.Error:
-            pass  # a process ended between listing and measuring
-        time.sleep(0.02)
-    return peak, proc.returncode, proc.stderr.read().decode()
+    with PeakRSS(proc.pid, children=True, interval=0.02) as rss:
+        err = proc.stderr.read().decode()
+        proc.wait()
+    return rss.peak, proc.returncode, err
 
 
 def test_memory_stays_flat_on_large_input(tmp_path):

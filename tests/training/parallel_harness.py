@@ -1,8 +1,11 @@
 """Train pretrain_gpt.py in-process on N gloo ranks and collect losses and full (re-assembled) weights."""
 from __future__ import annotations
 
+import functools
+import json
 import re
 
+import pytest
 import torch
 
 from megatron.core import parallel_state as ps
@@ -73,3 +76,47 @@ def train(argv: list[str], world: int, timeout: float = 300) -> tuple[dict[int, 
                 torch.testing.assert_close(tensor, full[name], rtol=0, atol=0)
             full[name] = tensor
     return losses, full, outs
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(extra: tuple[str, ...]):
+    return train(TINY_GPT + list(extra), 1)
+
+
+def check_matches_reference(extra: list[str], mesh: list[str], world: int) -> None:
+    """Train TINY_GPT + extra on ``mesh`` (``world`` ranks): losses and weights equal one process's within 1e-5."""
+    ref_losses, ref_params, _ = _reference(tuple(extra))
+    losses, params, outs = train(TINY_GPT + extra + mesh, world)
+    assert sorted(losses) == list(range(1, 11))
+    for it, ref in ref_losses.items():
+        assert losses[it] == pytest.approx(ref, rel=1e-5), f"iteration {it}"
+    assert ref_losses[10] < ref_losses[1]  # it did train
+    assert params.keys() == ref_params.keys()
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    # Tied embedding: the last stage's copy stays equal to the first stage's.
+    for o in outs:
+        if o["shared"] is not None:
+            first = next(x for x in outs if x["pp"] == 0 and x["tp"] == o["tp"] and x["dp"] == o["dp"])
+            torch.testing.assert_close(o["shared"], first["shared"], rtol=0, atol=0)
+
+
+MESHES = {
+    "tp2": (["--tensor-model-parallel-size", "2"], 2),
+    "pp2": (["--pipeline-model-parallel-size", "2"], 2),
+    "dp2": ([], 2),
+    "tp2pp2dp2": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 8),
+}
+
+
+def ds_config_flags(tmp_path, stage: int, offload: bool = False, nvme: bool = False) -> list[str]:
+    """``--deepspeed --deepspeed_config FILE`` for a small ZeRO config written under ``tmp_path``."""
+    zero = {"stage": stage, "allgather_bucket_size": 3000, "stage3_param_persistence_threshold": 64,
+            "sub_group_size": 5000}
+    if offload or nvme:
+        device = {"device": "nvme", "nvme_path": str(tmp_path / "swap")} if nvme else {"device": "cpu"}
+        zero["offload_optimizer"] = dict(device)
+        zero["offload_param"] = dict(device)
+    path = tmp_path / f"ds_stage{stage}{'_offload' if offload else ''}{'_nvme' if nvme else ''}.json"
+    path.write_text(json.dumps({"zero_optimization": zero}))
+    return ["--deepspeed", "--deepspeed_config", str(path)]

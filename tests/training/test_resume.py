@@ -1,8 +1,7 @@
 """Save at iteration 5, resume in fresh processes: iterations 6-10 equal the uninterrupted run exactly."""
 import pytest
 
-from tests.training.parallel_harness import TINY_GPT, train
-from tests.training.test_zero_trainer import _ds_config
+from tests.training.parallel_harness import TINY_GPT, ds_config_flags, train
 
 pytestmark = pytest.mark.multiprocess
 
@@ -24,4 +23,4 @@ def test_resume_pp2_dp2_is_exact(tmp_path):
 
 
 def test_resume_zero3_dp2_is_exact(tmp_path):
-    _resume_matches(tmp_path, _ds_config(tmp_path, 3, offload=True), 2)
+    _resume_matches(tmp_path, ds_config_flags(tmp_path, 3, offload=True), 2)

@@ -4,39 +4,27 @@ import json
 import pytest
 import torch
 
-from tests.training.test_parallel_equivalence import MESHES, _check
-
-
-def _ds_config(tmp_path, stage: int, offload: bool = False, nvme: bool = False) -> list[str]:
-    zero = {"stage": stage, "allgather_bucket_size": 3000, "stage3_param_persistence_threshold": 64,
-            "sub_group_size": 5000}
-    if offload or nvme:
-        device = {"device": "nvme", "nvme_path": str(tmp_path / "swap")} if nvme else {"device": "cpu"}
-        zero["offload_optimizer"] = dict(device)
-        zero["offload_param"] = dict(device)
-    path = tmp_path / f"ds_stage{stage}{'_offload' if offload else ''}{'_nvme' if nvme else ''}.json"
-    path.write_text(json.dumps({"zero_optimization": zero}))
-    return ["--deepspeed", "--deepspeed_config", str(path)]
+from tests.training.parallel_harness import MESHES, check_matches_reference, ds_config_flags
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stage_dp2_matches_reference(tmp_path, stage):
-    _check([], _ds_config(tmp_path, stage), 2)
+    check_matches_reference([], ds_config_flags(tmp_path, stage), 2)
 
 
 @pytest.mark.multiprocess
 def test_zero3_offload_tp2pp2dp2_matches_reference(tmp_path):
     """ZeRO-3 under pipeline parallelism with the 1F1B schedule (DeepSpeed refuses this combination)."""
     flags, world = MESHES["tp2pp2dp2"]
-    _check([], flags + _ds_config(tmp_path, 3, offload=True), world)
+    check_matches_reference([], flags + ds_config_flags(tmp_path, 3, offload=True), world)
 
 
 @pytest.mark.multiprocess
 def test_zero3_states_on_ssd_tp2pp2dp2_matches_reference(tmp_path):
     """Optimizer states and parameter shards in SSD page files, pipelined step, under TP2 x PP2 x DP2."""
     flags, world = MESHES["tp2pp2dp2"]
-    _check([], flags + _ds_config(tmp_path, 3, nvme=True), world)
+    check_matches_reference([], flags + ds_config_flags(tmp_path, 3, nvme=True), world)
     swap = tmp_path / "swap" / "zero_cache_swap"
     assert swap.is_dir() and not list(swap.iterdir())  # the page files were there, and are removed at exit
 
@@ -92,7 +80,7 @@ def test_misspelled_key_names_the_nearest(tmp_path):
 def test_zero3_mixed_precision_trains(tmp_path, precision):
     from tests.training.parallel_harness import TINY_GPT, train
 
-    argv = TINY_GPT + _ds_config(tmp_path, 3) + [precision, "--initial-loss-scale", "4096"]
+    argv = TINY_GPT + ds_config_flags(tmp_path, 3) + [precision, "--initial-loss-scale", "4096"]
     losses, params, _ = train(argv, 2)
     assert losses[10] < losses[1] - 0.1
     assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in params.values())

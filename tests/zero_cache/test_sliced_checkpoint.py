@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 
-import psutil
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +18,7 @@ from torch import nn
 
 import zero_cache
 from tests.dist_utils import run_distributed
+from tests.memory_utils import PeakRSS
 from zero_cache import aio
 from zero_cache.checkpoint import CheckpointError
 from zero_cache.checkpoint import slices as slices_module
@@ -83,28 +82,6 @@ def _train(engine, data, rank: int, dp: int, steps) -> list[float]:
 
 def _numpy(sd: dict) -> dict:
     return {k: v.numpy() for k, v in sd.items()}
-
-
-class PeakRSS:
-    """Peak growth of this process's resident memory while the block runs (sampled every 0.2 ms)."""
-
-    def __enter__(self):
-        self._proc = psutil.Process()
-        self.base = self.peak = self._proc.memory_info().rss
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.wait(0.0002):
-            self.peak = max(self.peak, self._proc.memory_info().rss)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._proc.memory_info().rss)
-        self.growth = self.peak - self.base
 
 
 # ---- DP=2, states on SSD beyond the host budget ----------------------------------------------------------
