@@ -1,5 +1,5 @@
 """The memory planner's model: does a GPT fit this hardware under zero_cache ZeRO-3, where does every state
-live, and which configuration is the fastest that fits (the command line is tools/plan_memory.py).
+live, and which configuration is the fastest that fits (the command line is ptm_planner.cli).
 
 The model states come from the engine's own code, not from formulas: the model is built on the meta
 device (no memory) as the trainer builds it, posing as one rank of each distinct pipeline stage, and its
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron.core.transformer_config import TransformerConfig
-from tools.model_sizes import SIZES
-from tools.planner_stages import Mesh, StageModel, build_stage, representative_stages
+from ptm_planner.sizes import SIZES
+from ptm_planner.stages import Mesh, StageModel, build_stage, representative_stages
 from zero_cache.aio import HEADER_BYTES, round_up
 from zero_cache.config import ZeroCacheConfig, ZeroConfigError, parse_config
 from zero_cache.param_arena import region_numel
@@ -37,7 +37,6 @@ from zero_cache.placement import place_states
 from zero_cache.store import DEVICE, HOST, NVME, TIERS
 
 GiB = 2**30
-EXIT_FITS, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 2, 3
 # Shares of each resource a plan may fill: the engine's own defaults for its budgets
 # (zero_cache.placement.machine_budgets): 90% of accelerator memory, 90% of host memory (split evenly
 # between the processes of a node), 95% of the free disk under nvme_path.
@@ -630,9 +629,7 @@ def plan(request: Request, largest: int | None = None) -> Plan:
     return result
 
 
-# ---- command line --------------------------------------------------------------------------------------
-
-
+# ---- bytes as text -----------------------------------------------------------------------------------
 def format_bytes(n: int) -> str:
     """Bytes in GiB, or in MiB / KiB when smaller (tiny models)."""
     for unit, size in (("GiB", GiB), ("MiB", 2**20)):

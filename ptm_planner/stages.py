@@ -1,5 +1,5 @@
 """The memory planner's view of a model: each distinct pipeline stage as one rank of the planned mesh sees it,
-built on the meta device exactly as the trainer builds it under --deepspeed (tools/memory_planner.py)."""
+built on the meta device exactly as the trainer builds it under --deepspeed (ptm_planner.plan)."""
 from __future__ import annotations
 
 import contextlib

@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 from typing import Mapping
 
-from zero_cache.launcher.commands import NodeSpec, plan_local, plan_remote
-from zero_cache.launcher.config import LaunchConfig, config_from_args
-from zero_cache.launcher.env import EnvFileError, env_file_values, forwarded_environ
-from zero_cache.launcher.hostfile import HostfileError, read_hostfile, select_resources
-from zero_cache.launcher.supervisor import Supervisor
+from ptm_launch.commands import NodeSpec, plan_local, plan_remote
+from ptm_launch.config import LaunchConfig, config_from_args
+from ptm_launch.env import EnvFileError, env_file_values, forwarded_environ
+from ptm_launch.hostfile import HostfileError, read_hostfile, select_resources
+from ptm_launch.supervisor import Supervisor
 
 
 def local_slot_count(cfg: LaunchConfig) -> int:

@@ -1,11 +1,11 @@
 """The GPT sizes users pick from: ``examples/start.sh SIZE`` and ``tools/plan_memory.py --size SIZE``.
 
-One table, read by both (start.sh runs this file with any Python 3, before the project's environment
+One table, read by both (start.sh runs this module with any Python 3, before the project's environment
 exists, so it uses the standard library only):
 
-    python3 tools/model_sizes.py list          # the table
-    python3 tools/model_sizes.py row 1.3b      # "layers hidden heads ffn micro-batch" of one size
-    python3 tools/model_sizes.py seq-length    # the default sequence length of start.sh and the planner
+    python3 -m ptm_planner.sizes list          # the table
+    python3 -m ptm_planner.sizes row 1.3b      # "layers hidden heads ffn micro-batch" of one size
+    python3 -m ptm_planner.sizes seq-length    # the default sequence length of start.sh and the planner
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(s.num_layers, s.hidden_size, s.num_attention_heads, s.ffn_hidden_size, s.micro_batch_size)
         return 0
-    print("usage: model_sizes.py list | row SIZE | seq-length", file=sys.stderr)
+    print("usage: python3 -m ptm_planner.sizes list | row SIZE | seq-length", file=sys.stderr)
     return 2
 
 

@@ -18,7 +18,7 @@ from typing import TextIO
 
 import psutil
 
-from zero_cache.launcher.commands import NodeSpec
+from ptm_launch.commands import NodeSpec
 
 _POLL_S = 0.1
 _KILL_WAIT_S = 5.0

@@ -9,8 +9,8 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zero_cache.launcher import node_agent
-from zero_cache.launcher.config import DEFAULT_MASTER_PORT, LaunchConfig
+from ptm_launch import node_agent
+from ptm_launch.config import DEFAULT_MASTER_PORT, LaunchConfig
 
 # ssh must fail instead of prompting, and notice a host that went silent (power loss, network).
 SSH_DEFAULT_OPTIONS = ("-o", "BatchMode=yes", "-o", "ServerAliveInterval=10", "-o", "ServerAliveCountMax=3")
