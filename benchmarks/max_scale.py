@@ -208,15 +208,18 @@ def _iteration_seconds(log_path: str) -> list[float]:
 
 # The zero_optimization keys both engines read that bound live memory: DeepSpeed gets the planner's values for
 # ours, not its defaults (stage3_max_live_parameters 1e9 keeps 4 GB of fp32 parameters gathered per rank).
-SHARED_ZERO_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
-                    "stage3_max_reuse_distance", "stage3_param_persistence_threshold")
+SHARED_ZERO_KEYS = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+                    "stage3_param_persistence_threshold")
 
 
 def shared_zero_keys(layers: int, a, log_dir: str) -> dict:
     cfg, _, _ = plan_config(layers, a.nvme_path, log_dir, "nvme")
     with open(cfg, encoding="utf-8") as f:
         zero = json.load(f)["zero_optimization"]
-    return {k: zero[k] for k in SHARED_ZERO_KEYS if k in zero}
+    shared = {k: zero[k] for k in SHARED_ZERO_KEYS if k in zero}
+    # DeepSpeed's gradient bucket gets our page size (our reductions move one page at a time).
+    shared["reduce_bucket_size"] = zero["allgather_bucket_size"]
+    return shared
 
 
 def run_deepspeed(layers: int, offload: str, a, log_dir: str) -> Attempt:

@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ptm-launch",
         description="Start a torch.distributed job on this machine or on the hosts of a hostfile: one torchrun "
                     "per host (over ssh or pdsh), ranks laid out in hostfile order.",
-        epilog="Hostfile lines: 'hostname slots=N'. See the Multi-node section of README.md.")
+        epilog="Hostfile lines: 'hostname slots=N'. See docs/multinode.md.")
     parser.add_argument("--hostfile", default=None,
                         help="hostfile of 'hostname slots=N' lines; without it the job runs on this machine only")
     parser.add_argument("--include", default="",

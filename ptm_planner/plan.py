@@ -132,7 +132,6 @@ def ds_config(request: Request, option: Option, arena: int, budgets: dict[str, i
     zero = {
         "stage": 3,
         "allgather_bucket_size": option.page,
-        "reduce_bucket_size": option.page,
         "sub_group_size": option.sub_group_size,
         "stage3_prefetch_bucket_size": option.page,  # the next chunk is gathered while this one computes
         "stage3_max_live_parameters": option.max_live,
@@ -157,8 +156,7 @@ def ds_config(request: Request, option: Option, arena: int, budgets: dict[str, i
         "fp16": {"enabled": request.dtype == torch.float16},
         "steps_per_print": 10,
         "zero_optimization": zero,
-        "aio": {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": threads,
-                "single_submit": False, "overlap_events": True},
+        "aio": {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": threads},
     }
 
 
