@@ -2,6 +2,9 @@ from pathlib import Path
 
 from setuptools import find_packages, setup
 
+# The trainer, the engine, the launcher and the memory planner; tools/ holds scripts run from a checkout.
+PACKAGES = ("megatron", "zero_cache", "ptm_launch", "ptm_planner")
+
 setup(
     name="zero-cache-ptm",
     version="0.1.0",
@@ -10,15 +13,15 @@ setup(
     if Path(__file__).with_name("README.md").exists() else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["megatron", "megatron.*", "zero_cache", "zero_cache.*", "tools", "tools.*"]),
+    packages=find_packages(include=[name for top in PACKAGES for name in (top, f"{top}.*")]),
     py_modules=["pretrain_gpt"],
     install_requires=[line.strip() for line in Path(__file__).with_name("requirements.txt").read_text().splitlines()
                       if line.strip() and not line.startswith("#")],
     extras_require={"hf": ["transformers==5.24.0"]},  # tools/checkpoint/convert_to_hf.py
     entry_points={"console_scripts": [
-        "ptm-launch=zero_cache.launcher.runner:main",
-        "ptm-preprocess=tools.preprocess_data:main",
+        "ptm-launch=ptm_launch.runner:main",
+        "ptm-preprocess=megatron.data.preprocess.cli:main",
         "ptm-consolidate=zero_cache.checkpoint.consolidate:main",
-        "ptm-plan=tools.plan_memory:main",
+        "ptm-plan=ptm_planner.cli:main",
     ]},
 )

@@ -1,6 +1,6 @@
 """Data pipeline benchmark: preprocessing throughput and index-building time. Prints a table.
 
-    python benchmarks/bench_data.py [--copies 3] [--tokens 1e8 1e9]
+    python -m benchmarks.bench_data [--copies 3] [--tokens 1e8 1e9]
 
 1. The embedded sample corpus (tools/make_sample_corpus.py), repeated ``--copies`` times, is tokenized by
    tools/preprocess_data.py (our GPT-2 BPE, a byte-level BPE trained on the corpus) with 1 and 2 workers;

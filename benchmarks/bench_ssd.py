@@ -2,7 +2,7 @@
 disk, and optimizer step elements/s with the states on the host and on SSD against torch's fused AdamW and
 DeepSpeedCPUAdam, all in one run. Prints a table.
 
-    python benchmarks/bench_ssd.py [--nvme-path /tmp] [--mib 512] [--shards 8] [--params 16e6] [--steps 3] [--rounds 3]
+    python -m benchmarks.bench_ssd [--nvme-path /tmp] [--mib 512] [--shards 8] [--params 16e6] [--steps 3] [--rounds 3]
 
 1. I/O: ``--mib`` MiB split into ``--shards`` page files of zero_cache's SSDStore (O_DIRECT, CRC-32 per page)
    written (swap_out) and read back (swap_in) ``--rounds`` times (medians) for each
@@ -15,7 +15,8 @@ DeepSpeedCPUAdam, all in one run. Prints a table.
    on the same parameter shapes are the references.
 
 DeepSpeed's rows run in the peers' venv (``source benchmarks/peers_env.sh`` once;
-``benchmarks/peer_workers/ds_ssd_step.py``); without it they are left out with a note.
+``benchmarks/peer_workers/ds_ssd_step.py``); without it they are left out with a note. Run from the
+repository root.
 """
 from __future__ import annotations
 
@@ -25,21 +26,16 @@ import os
 import re
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 from torch import nn
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
-
-from peer_workers.harness import PEERS_PYTHON, ROOT, worker_env  # noqa: E402
-
-import zero_cache  # noqa: E402
-from zero_cache.config import AioConfig  # noqa: E402
-from zero_cache.ssd_store import SSDStore  # noqa: E402
+import zero_cache
+from benchmarks.peer_workers.harness import PEERS_PYTHON, ROOT, worker_env
+from zero_cache.config import AioConfig
+from zero_cache.ssd_store import SSDStore
 
 
 def _dd(path: str, mib: int) -> tuple[float, float]:
@@ -84,8 +80,8 @@ def _deepspeed(*args: str) -> dict | None:
     if not os.path.exists(PEERS_PYTHON):
         print("  DeepSpeed: peers' venv missing (source benchmarks/peers_env.sh); row left out", flush=True)
         return None
-    res = subprocess.run([PEERS_PYTHON, "-m", "peer_workers.ds_ssd_step", *args], capture_output=True, text=True,
-                         env=worker_env(torch.get_num_threads()), cwd=ROOT)  # the threads our rows use
+    res = subprocess.run([PEERS_PYTHON, "-m", "benchmarks.peer_workers.ds_ssd_step", *args], capture_output=True,
+                         text=True, env=worker_env(torch.get_num_threads()), cwd=ROOT)  # the threads our rows use
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
     if res.returncode != 0 or not lines:
         print(f"  DeepSpeed {args[0]} failed (exit {res.returncode}): {(res.stderr or res.stdout)[-400:]}", flush=True)

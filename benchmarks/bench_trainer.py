@@ -1,6 +1,6 @@
 """Trainer throughput against a plain PyTorch loop of the same GPT, and the machine's matmul peak.
 
-    python benchmarks/bench_trainer.py [--layers 12 --hidden 768 --heads 12 --seq 256 --mbs 4 --steps 4]
+    python -m benchmarks.bench_trainer [--layers 12 --hidden 768 --heads 12 --seq 256 --mbs 4 --steps 4]
 
 Both run in this one process (one rank, fp32 on CPU, bf16 on CUDA) on the same
 synthetic tokens. "ours" is pretrain_gpt.py's full loop (schedule, DDP buffer,

@@ -5,13 +5,14 @@
 #   3. the planner's largest model of the hidden-8192 family on this GPU + host + disk, 3 steps
 #                                              (s/step, peak memory per tier)
 #
-#   bash benchmarks/gpu_check.sh              # run; logs, plans and plots go to $OUT when set
+#   bash benchmarks/gpu_check.sh              # run; logs, plans, plots and summary.txt go to $OUT
 #   bash benchmarks/gpu_check.sh --dry-run    # print the commands and exit
 #
 # Each stage has its own time limit and all of it fits GPU_CHECK_BUDGET_S (default 465 s; stage 3 gets
 # what the others leave); a failed or timed-out stage is reported in the table and the next one still
-# runs. Environment: OUT (where logs go; default a temporary directory), PEAK_TFLOPS (bf16 dense peak of
-# the GPU for MFU, default 989: the H200 SXM datasheet figure), NVME_PATH (SSD tier, default /tmp/zc_nvme).
+# runs. Environment: OUT (where everything goes; default a new benchmarks/logs/gpu_check-<UTC time>/, which
+# git ignores), PEAK_TFLOPS (bf16 dense peak of the GPU for MFU, default 989: the H200 SXM datasheet
+# figure), NVME_PATH (SSD tier, default /tmp/zc_nvme).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 2
@@ -30,7 +31,7 @@ T_TESTS=170
 T_DENSE=140
 T_PLAN=45
 NVME_PATH="${NVME_PATH:-/tmp/zc_nvme}"
-if [ "$DRY_RUN" = 1 ]; then WORK="${OUT:-<tmpdir>}"; else WORK="${OUT:-$(mktemp -d /tmp/gpu_check.XXXXXX)}"; fi
+WORK="${OUT:-$ROOT/benchmarks/logs/gpu_check-$(date -u +%Y%m%d-%H%M%S)}"  # created only when not a dry run
 PY=python
 SYS_PY="$(command -v python3)"  # the machine's own python3, resolved before the venv is on PATH
 NOTES=()
@@ -43,7 +44,7 @@ if [ "$DRY_RUN" = 1 ]; then
   echo "+ source scripts/bootstrap.sh dev"
 else
   mkdir -p "$WORK" "$NVME_PATH"
-  boot_log="$(mktemp /tmp/gpu_check_bootstrap.XXXXXX.log)"
+  boot_log="$WORK/bootstrap.log"
   # A machine with no package index fails the pip step quickly instead of retrying.
   if PIP_RETRIES=0 PIP_TIMEOUT=5 timeout "$T_BOOT" bash -c 'source scripts/bootstrap.sh dev' >"$boot_log" 2>&1; then
     # shellcheck disable=SC1091

@@ -1,10 +1,10 @@
 """The largest GPT one machine trains, ours against DeepSpeed ZeRO-3, and s/step at a common size.
 
-    python benchmarks/max_scale.py --nvme-path /tmp/zc_maxscale              # ours at 5.0B + both at 1.04B
-    python benchmarks/max_scale.py --ours-sizes 3.6 5.0 --compare-size 1.04  # more capacity attempts
-    python benchmarks/max_scale.py --rerun-deepspeed-capacity 0.74:cpu 2.5:nvme 2.7:nvme   # ~15 min each
+    python -m benchmarks.max_scale --nvme-path /tmp/zc_maxscale              # ours at 5.0B + both at 1.04B
+    python -m benchmarks.max_scale --ours-sizes 3.6 5.0 --compare-size 1.04  # more capacity attempts
+    python -m benchmarks.max_scale --rerun-deepspeed-capacity 0.74:cpu 2.5:nvme 2.7:nvme   # ~15 min each
 
-The family is the one the capacity figures of issue 7 were measured on: GPT, hidden 2048, 16 heads, FFN 4x,
+The family is the one the recorded DeepSpeed capacity figures were measured on: GPT, hidden 2048, 16 heads, FFN 4x,
 vocabulary 32000 with an untied output layer, sequence 256, micro-batch 1, 2 ranks on gloo, fp32, full
 activation recomputation, the number of layers grown (size in billions -> layers: 50.4M per layer + 131.6M
 of embeddings). Every attempt trains 3 optimizer steps.
@@ -17,13 +17,17 @@ of embeddings). Every attempt trains 3 optimizer steps.
   peers' venv (``source benchmarks/peers_env.sh`` once), given the same offload JSON with the planner's
   memory-bounding ``stage3_*`` / ``reduce_bucket_size`` values for that size (DeepSpeed's defaults keep up
   to 1e9 parameters gathered).
-- Capacity of DeepSpeed is not a noisy figure and an attempt takes ~15 minutes, so it is cached in
-  ``benchmarks/max_scale_deepspeed.json`` with DeepSpeed's version and the machine's RAM and free disk;
-  ``--rerun-deepspeed-capacity`` measures it again. The s/step comparison is always measured in this run.
+- Capacity of DeepSpeed is not a noisy figure and an attempt takes ~15 minutes, so it is cached with
+  DeepSpeed's version and the machine's RAM and free disk. The recorded attempts are
+  ``benchmarks/max_scale_deepspeed.json`` (in git); ``--rerun-deepspeed-capacity`` measures them again and
+  writes the updated cache to --log-dir/deepspeed_capacity.json, which later runs read instead. The s/step
+  comparison is always measured in this run.
 
 Peak memory is the summed proportional set size (PSS: shared pages counted once) of every process of the
 job, sampled each second; disk is the growth of used space on --nvme-path's filesystem. The table goes to
-stdout and to --out-dir/max_scale.md with the command, date and machine.
+stdout and to --out-dir/max_scale.md (default benchmarks/results/max_scale/) with the command, date and
+machine. The planner's configs, the training logs, DeepSpeed's job folders and attempts.json go to --log-dir
+(default benchmarks/logs/max_scale/, which git ignores).
 """
 from __future__ import annotations
 
@@ -44,13 +48,11 @@ from dataclasses import asdict, dataclass, field
 
 import psutil
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.join(ROOT, "benchmarks"), ROOT]
-from peer_workers.harness import PEERS_PYTHON, BenchSpec, worker_env  # noqa: E402
+from benchmarks.peer_workers.harness import LOGS_DIR, PEERS_PYTHON, RESULTS_DIR, ROOT, BenchSpec, worker_env
+from tools.plot_run import LogParseError, parse_log
 
-from tools.plot_run import LogParseError, parse_log  # noqa: E402
-
-CACHE = os.path.join(ROOT, "benchmarks", "max_scale_deepspeed.json")
+RECORDED_CACHE = os.path.join(ROOT, "benchmarks", "max_scale_deepspeed.json")  # the recorded attempts (in git)
+CACHE_NAME = "deepspeed_capacity.json"  # in --log-dir: the cache as --rerun-deepspeed-capacity updates it
 HIDDEN, HEADS, FFN, VOCAB, SEQ, RANKS, STEPS = 2048, 16, 8192, 32000, 256, 2, 3
 PER_LAYER = 12 * HIDDEN * HIDDEN + 13 * HIDDEN  # attention + MLP matrices, biases, two LayerNorms
 FIXED = 2 * VOCAB * HIDDEN + SEQ * HIDDEN + 2 * HIDDEN  # word embeddings, untied head, positions, final norm
@@ -139,11 +141,11 @@ def _tail(path: str, n: int = 3) -> str:
     return " / ".join(lines[-n:])[-400:]
 
 
-def plan_config(layers: int, nvme: str, out_dir: str, offload: str) -> tuple[str, list[str], str]:
+def plan_config(layers: int, nvme: str, log_dir: str, offload: str) -> tuple[str, list[str], str]:
     """Ask the planner for this size's zero_cache config on this machine (exit 3: it does not fit); returns
     the config path, the Megatron flags and the offload mode it chose."""
-    cfg, args = (os.path.join(out_dir, f"ours_{offload}_{layers}l.json"),
-                 os.path.join(out_dir, f"ours_{offload}_{layers}l.args"))
+    cfg, args = (os.path.join(log_dir, f"ours_{offload}_{layers}l.json"),
+                 os.path.join(log_dir, f"ours_{offload}_{layers}l.args"))
     cmd = [sys.executable, "tools/plan_memory.py", "--num-layers", str(layers), "--hidden-size", str(HIDDEN),
            "--num-attention-heads", str(HEADS), "--ffn-hidden-size", str(FFN), "--seq-length", str(SEQ),
            "--vocab-size", str(VOCAB), "--untie-embeddings-and-output-weights", "--micro-batch-size", "1",
@@ -159,13 +161,13 @@ def plan_config(layers: int, nvme: str, out_dir: str, offload: str) -> tuple[str
         return cfg, [ln.strip() for ln in f if ln.strip()], chosen.group(1) if chosen else offload
 
 
-def run_ours(layers: int, offload: str, a, out_dir: str, cache_rate: float | None = None) -> Attempt:
+def run_ours(layers: int, offload: str, a, log_dir: str, cache_rate: float | None = None) -> Attempt:
     """``offload``: the planner's mode (auto: the fastest that fits; nvme: states on SSD, the planner still
     caching the share of optimizer sub-groups spare memory holds). ``cache_rate`` overrides that share
     (0: every state on SSD, as DeepSpeed's NVMe offload)."""
     att = Attempt("ours", offload, layers, params_of(layers))
     try:
-        cfg, model_args, att.offload = plan_config(layers, a.nvme_path, out_dir, offload)
+        cfg, model_args, att.offload = plan_config(layers, a.nvme_path, log_dir, offload)
     except RuntimeError as e:
         att.note = str(e)
         return att
@@ -179,7 +181,7 @@ def run_ours(layers: int, offload: str, a, out_dir: str, cache_rate: float | Non
             json.dump(ds, f, indent=1)
     rate = ds["zero_optimization"].get("prefetch_cache_sub_group_rate", 0.0)
     att.system = f"ours (prefetch_cache_sub_group_rate {rate})"
-    att.log = os.path.join(out_dir, f"ours_{offload}_{layers}l_rate{rate}.log")
+    att.log = os.path.join(log_dir, f"ours_{offload}_{layers}l_rate{rate}.log")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
            "pretrain_gpt.py", *model_args,
            "--global-batch-size", str(RANKS), "--train-iters", str(STEPS), "--lr", "1e-4",
@@ -206,28 +208,31 @@ def _iteration_seconds(log_path: str) -> list[float]:
 
 # The zero_optimization keys both engines read that bound live memory: DeepSpeed gets the planner's values for
 # ours, not its defaults (stage3_max_live_parameters 1e9 keeps 4 GB of fp32 parameters gathered per rank).
-SHARED_ZERO_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
-                    "stage3_max_reuse_distance", "stage3_param_persistence_threshold")
+SHARED_ZERO_KEYS = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+                    "stage3_param_persistence_threshold")
 
 
-def shared_zero_keys(layers: int, a, out_dir: str) -> dict:
-    cfg, _, _ = plan_config(layers, a.nvme_path, out_dir, "nvme")
+def shared_zero_keys(layers: int, a, log_dir: str) -> dict:
+    cfg, _, _ = plan_config(layers, a.nvme_path, log_dir, "nvme")
     with open(cfg, encoding="utf-8") as f:
         zero = json.load(f)["zero_optimization"]
-    return {k: zero[k] for k in SHARED_ZERO_KEYS if k in zero}
+    shared = {k: zero[k] for k in SHARED_ZERO_KEYS if k in zero}
+    # DeepSpeed's gradient bucket gets our page size (our reductions move one page at a time).
+    shared["reduce_bucket_size"] = zero["allgather_bucket_size"]
+    return shared
 
 
-def run_deepspeed(layers: int, offload: str, a, out_dir: str) -> Attempt:
+def run_deepspeed(layers: int, offload: str, a, log_dir: str) -> Attempt:
     att = Attempt("deepspeed", offload, layers, params_of(layers))
     if not os.path.exists(PEERS_PYTHON):
         att.note = "peers' venv missing: run `source benchmarks/peers_env.sh` once"
         return att
     try:
-        zero_keys = shared_zero_keys(layers, a, out_dir)
+        zero_keys = shared_zero_keys(layers, a, log_dir)
     except RuntimeError as e:  # past our capacity the planner has no config: DeepSpeed keeps its defaults
         print(f"  {e}; DeepSpeed runs with its default stage3_* keys", flush=True)
         zero_keys = {}
-    job = os.path.join(out_dir, f"deepspeed_{offload}_{layers}l")
+    job = os.path.join(log_dir, f"deepspeed_{offload}_{layers}l")
     os.makedirs(job, exist_ok=True)
     spec = BenchSpec(layers=layers, hidden=HIDDEN, heads=HEADS, vocab=VOCAB, seq=SEQ, micro_batch=1,
                      global_batch=RANKS, steps=STEPS - 1, warmup=1, lr=1e-4, weight_decay=0.1, clip_grad=1.0,
@@ -241,8 +246,8 @@ def run_deepspeed(layers: int, offload: str, a, out_dir: str) -> Attempt:
     spec.save(spec_path)
     att.log = os.path.join(job, "log.txt")
     cmd = [PEERS_PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
-           "-m", "peer_workers.worker", "--impl", "deepspeed", "--offload", "--system", f"deepspeed-{offload}",
-           "--spec", spec_path, "--out-dir", job]
+           "-m", "benchmarks.peer_workers.worker", "--impl", "deepspeed", "--offload",
+           "--system", f"deepspeed-{offload}", "--spec", spec_path, "--out-dir", job]
     env = worker_env(a.threads)
     rc, att.peak_mem_gib, att.peak_disk_gib = _run_job(cmd, att.log, a.nvme_path, a.timeout, env)
     shutil.rmtree(os.path.join(a.nvme_path, "zero_stage_3"), ignore_errors=True)  # DeepSpeed leaves its swap files
@@ -270,18 +275,22 @@ def machine(nvme: str) -> dict:
             "host": platform.node()}
 
 
-def load_cache() -> dict:
-    if not os.path.exists(CACHE):
-        return {"attempts": []}
-    with open(CACHE, encoding="utf-8") as f:
-        return json.load(f)
+def load_cache(log_dir: str) -> dict:
+    """DeepSpeed's capacity attempts: this log folder's cache if a rerun wrote one, else the recorded ones."""
+    for path in (os.path.join(log_dir, CACHE_NAME), RECORDED_CACHE):
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                return json.load(f)
+    return {"attempts": []}
 
 
-def save_cache(cache: dict) -> None:
-    tmp = CACHE + ".tmp"
+def save_cache(cache: dict, log_dir: str) -> str:
+    path = os.path.join(log_dir, CACHE_NAME)
+    tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(cache, f, indent=1)
-    os.replace(tmp, CACHE)
+    os.replace(tmp, path)
+    return path
 
 
 def _fmt_s(x: float | None) -> str:
@@ -332,18 +341,23 @@ def main(argv: list[str] | None = None) -> None:
                    help="measure DeepSpeed's capacity attempts again (e.g. 0.74:cpu 1.79:nvme) and update the cache")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per attempt")
-    p.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results", "max_scale"))
+    p.add_argument("--out-dir", default=os.path.join(RESULTS_DIR, "max_scale"),
+                   help="where the printed table goes, as max_scale.md (default: %(default)s)")
+    p.add_argument("--log-dir", default=os.path.join(LOGS_DIR, "max_scale"),
+                   help="planner configs, training logs, DeepSpeed's job folders, attempts.json and the updated "
+                        "DeepSpeed capacity cache (default: %(default)s)")
     a = p.parse_args(argv)
     os.makedirs(a.out_dir, exist_ok=True)
+    os.makedirs(a.log_dir, exist_ok=True)
     os.makedirs(a.nvme_path, exist_ok=True)
     started = datetime.datetime.now(datetime.timezone.utc)
 
-    cache = load_cache()
+    cache = load_cache(a.log_dir)
     if a.rerun_deepspeed_capacity is not None:
         version, box = deepspeed_version(), machine(a.nvme_path)
         for item in a.rerun_deepspeed_capacity:
             size, _, offload = item.partition(":")
-            att = run_deepspeed(layers_for(float(size)), offload or "nvme", a, a.out_dir)
+            att = run_deepspeed(layers_for(float(size)), offload or "nvme", a, a.log_dir)
             # A new measurement replaces this script's earlier one; figures from other sources stay.
             cache["attempts"] = [d for d in cache["attempts"] if (d["layers"], d["offload"]) != (att.layers, offload)
                                  or not d["source"].startswith("measured by max_scale.py")]
@@ -353,22 +367,22 @@ def main(argv: list[str] | None = None) -> None:
                                       "disk_gib": round(att.peak_disk_gib, 1), "deepspeed": version, **box,
                                       "source": f"measured by max_scale.py {started:%Y-%m-%d}"
                                                 + ("" if att.ok else f" ({att.note[:120]})")})
-            save_cache(cache)
+            print(f"  DeepSpeed capacity cache: {save_cache(cache, a.log_dir)}", flush=True)
 
     ours = []
     for size in a.ours_sizes:
         print(f"[max_scale] ours at {size}B ({layers_for(size)} layers)", flush=True)
-        ours.append(run_ours(layers_for(size), "auto", a, a.out_dir))
+        ours.append(run_ours(layers_for(size), "auto", a, a.log_dir))
     compare = []
     if a.compare_size > 0:
         layers = layers_for(a.compare_size)
         print(f"[max_scale] s/step at {a.compare_size}B ({layers} layers): ours, then DeepSpeed", flush=True)
-        compare = [run_ours(layers, "nvme", a, a.out_dir, cache_rate=0.0), run_ours(layers, "nvme", a, a.out_dir),
-                   run_deepspeed(layers, "nvme", a, a.out_dir)]
+        compare = [run_ours(layers, "nvme", a, a.log_dir, cache_rate=0.0), run_ours(layers, "nvme", a, a.log_dir),
+                   run_deepspeed(layers, "nvme", a, a.log_dir)]
 
     ds_rows = sorted(cache["attempts"], key=lambda d: (d["offload"], d["layers"]))
     report = table(ours, ds_rows, compare)
-    header = (f"## Max scale, {started:%Y-%m-%d %H:%M} UTC\n\n`python benchmarks/max_scale.py "
+    header = (f"## Max scale, {started:%Y-%m-%d %H:%M} UTC\n\n`python -m benchmarks.max_scale "
               f"{shlex.join(sys.argv[1:] if argv is None else argv)}` on {json.dumps(machine(a.nvme_path))}, "
               f"DeepSpeed {deepspeed_version()}; GPT h{HIDDEN}/{HEADS} heads/FFN {FFN}/vocab {VOCAB} untied, seq "
               f"{SEQ}, micro-batch 1, {RANKS} ranks (gloo, fp32, full recompute), {STEPS} steps per attempt.\n")
@@ -376,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n" + text)
     with open(os.path.join(a.out_dir, "max_scale.md"), "w", encoding="utf-8") as f:
         f.write(text)
-    with open(os.path.join(a.out_dir, "attempts.json"), "w", encoding="utf-8") as f:
+    with open(os.path.join(a.log_dir, "attempts.json"), "w", encoding="utf-8") as f:
         json.dump([asdict(x) for x in ours + compare], f, indent=1)
 
 

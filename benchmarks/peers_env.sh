@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The peer systems' own environment for benchmarks/zero3_vs_peers.py (DeepSpeed is never a project
-# dependency). Idempotent; source it or run it:
+# The peer systems' own environment for python -m benchmarks.zero3_vs_peers, benchmarks.max_scale and
+# benchmarks.bench_ssd (DeepSpeed is never a project dependency). Idempotent; source it or run it:
 #
 #   source benchmarks/peers_env.sh      # creates/uses benchmarks/.venv-peers, exports PEERS_PYTHON
 #
@@ -24,7 +24,7 @@ export PEERS_PYTHON="$_peers_venv/bin/python"
 # DeepSpeed on a CPU-only host: its CPU accelerator, and a persistent cache for the JIT-built cpu_adam op.
 export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/ptm/torch_extensions}"
-# DeepSpeed's NVMe offload (benchmarks/max_scale.py) JIT-builds its async_io op against libaio.
+# DeepSpeed's NVMe offload (benchmarks.max_scale) JIT-builds its async_io op against libaio.
 if ! ldconfig -p 2>/dev/null | grep -q libaio.so || [ ! -f /usr/include/libaio.h ]; then
   echo "[peers_env] libaio headers missing: DeepSpeed's NVMe offload needs them (apt-get install libaio-dev)" >&2
 fi

@@ -1,8 +1,8 @@
 """ZeRO-3 against its peers: ours (zero_cache), DeepSpeed ZeRO-3, PyTorch FSDP2 and DDP, on one GPT.
 
     source benchmarks/peers_env.sh                 # once: DeepSpeed in its own venv (benchmarks/.venv-peers)
-    python benchmarks/zero3_vs_peers.py            # ~100M GPT, 2 ranks on gloo, fp32
-    python benchmarks/zero3_vs_peers.py --preset tiny --systems ours deepspeed ddp
+    python -m benchmarks.zero3_vs_peers            # ~100M GPT, 2 ranks on gloo, fp32
+    python -m benchmarks.zero3_vs_peers --preset tiny --systems ours deepspeed ddp
 
 Every system is its own torchrun job (a fresh process per rank, so RSS is clean; a failure is reported in
 its row and the rest still run) and trains the same GPTModel from the same seeded init on the same synthetic
@@ -11,7 +11,9 @@ tokens/s is the global batch's tokens over the median step time of the timed ste
 steps); peak RSS is each rank's largest resident set over its whole job (psutil); the last-step loss of
 every system must agree with DDP's to --loss-rtol (else the row is marked MISMATCH). The machine may be
 shared: the table shows the load average after each job, and --repeat N runs all systems N times
-round-robin and pools each system's timed steps.
+round-robin and pools each system's timed steps. The report (header, table, notes, losses) is printed and
+written to --table (default benchmarks/results/zero3_vs_peers.md); the jobs' logs and per-rank results go to
+--run-dir (default a new folder under benchmarks/logs/, which git ignores).
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ import time
 from dataclasses import dataclass
 
 import torch
-from peer_workers.harness import PEERS_PYTHON, ROOT, BenchSpec, worker_env
+
+from benchmarks.peer_workers.harness import LOGS_DIR, PEERS_PYTHON, RESULTS_DIR, ROOT, BenchSpec, worker_env
 
 PRESETS = {  # layers, hidden, heads, vocab
     "tiny": (2, 256, 4, 8192),
@@ -139,7 +142,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="rounds over all systems (pooled per system): evens out load from other work on the machine")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per system before it is killed")
     p.add_argument("--loss-rtol", type=float, default=1e-4, help="allowed relative last-step loss difference")
-    p.add_argument("--run-dir", help="logs and per-rank results (default: a new folder under /tmp)")
+    p.add_argument("--run-dir", help="logs and per-rank results (default: a new folder under benchmarks/logs/)")
+    p.add_argument("--table", default=os.path.join(RESULTS_DIR, "zero3_vs_peers.md"),
+                   help="markdown file the printed report is also written to ('' for none; default: %(default)s)")
     p.add_argument("--json", help="also write every result to this JSON file")
     a = p.parse_args(argv)
     if a.global_batch % (a.micro_batch * a.nproc):
@@ -290,6 +295,19 @@ def header(spec: BenchSpec, a: argparse.Namespace) -> list[str]:
     ]
 
 
+def write_table(path: str, argv: list[str] | None, lines: list[str], out: list[str], notes: list[str],
+                losses: list[str]) -> None:
+    """The printed report as markdown: the command, the header, the table, the notes and the losses."""
+    command = " ".join(sys.argv[1:] if argv is None else argv)
+    text = [f"    python -m benchmarks.zero3_vs_peers {command}".rstrip(), "", "```", *lines, "```", "", *out]
+    if notes:
+        text += ["", "notes:", "", "```", *notes, "```"]
+    text += ["", "Losses per step (global batch mean, round 1):", "", "```", *losses, "```"]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(text) + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     spec = make_spec(a)
@@ -297,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
         lines = header(spec, a)
     except ValueError as e:  # a model shape the GPT cannot take, caught before any job starts
         raise SystemExit(f"zero3_vs_peers.py: error: {e}") from None
-    run_dir = a.run_dir or os.path.join("/tmp", f"zero3_vs_peers-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    run_dir = a.run_dir or os.path.join(LOGS_DIR, f"zero3_vs_peers-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     os.makedirs(run_dir, exist_ok=True)
     spec_path = os.path.join(run_dir, "spec.json")
     spec.save(spec_path)
@@ -316,14 +334,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{tag} {row.system.name}: {state} ({o.wall_s:.0f} s wall; ETA of the run "
               f"{elapsed / (n + 1) * (jobs - n - 1):.0f} s)", flush=True)
     out = table(rows, spec, a.loss_rtol)
-    print("\n" + "\n".join(lines) + "\n\n" + "\n".join(out))
     notes = [f"  {r.system.key} round {i + 1}: {o.note}" for r in rows for i, o in enumerate(r.rounds) if o.note]
+    losses = [f"  {r.system.key:<18} " + " ".join(f"{x:.6f}" for x in r.losses) for r in rows if r.error is None]
+    print("\n" + "\n".join(lines) + "\n\n" + "\n".join(out))
     if notes:
         print("\nnotes:\n" + "\n".join(notes))
-    print("\nlosses per step (global batch mean, round 1):")
-    for r in rows:
-        if r.error is None:
-            print(f"  {r.system.key:<18} " + " ".join(f"{x:.6f}" for x in r.losses))
+    print("\nlosses per step (global batch mean, round 1):\n" + "\n".join(losses))
+    if a.table:
+        write_table(a.table, argv, lines, out, notes, losses)
     if a.json:
         with open(a.json, "w", encoding="utf-8") as f:
             json.dump({"spec": dataclasses.asdict(spec), "header": lines, "table": out,

@@ -13,7 +13,7 @@
 #   DS_CONFIG (DeepSpeed-style JSON: trains through the zero_cache engine)   EXTRA_ARGS (appended flags)
 #   PLAN_ARGS (extra memory-planner flags, e.g. "--host-memory-gib 24 --nvme-path /local_nvme")
 #
-# Before anything else the memory planner (tools/plan_memory.py) checks that SIZE fits this machine: a
+# Before anything else the memory planner (ptm_planner) checks that SIZE fits this machine: a
 # size that does not is refused with the planner's message (exit 3). Every size but `default` then trains
 # through zero_cache ZeRO-3 with the planner's config and its micro-batch / recompute choice (DS_CONFIG
 # replaces the config); `default` trains with Megatron DDP as given.
@@ -22,10 +22,12 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 SIZE="${1:-default}"
-# Sizes (layers hidden heads ffn micro-batch) live in tools/model_sizes.py, shared with the memory planner.
-if [ "$SIZE" = "list" ] || [ "$SIZE" = "-h" ] || [ "$SIZE" = "--help" ]; then python3 tools/model_sizes.py list; exit 0; fi
-if ! ROW="$(python3 tools/model_sizes.py row "$SIZE" 2>/dev/null)"; then
-  echo "unknown SIZE '$SIZE'"; python3 tools/model_sizes.py list; exit 2
+# Sizes (layers hidden heads ffn micro-batch) live in ptm_planner/sizes.py, shared with the memory planner; it
+# needs only the standard library, so the system python3 reads it before the project's environment exists.
+SIZE_TABLE=(python3 -m ptm_planner.sizes)
+if [ "$SIZE" = "list" ] || [ "$SIZE" = "-h" ] || [ "$SIZE" = "--help" ]; then "${SIZE_TABLE[@]}" list; exit 0; fi
+if ! ROW="$("${SIZE_TABLE[@]}" row "$SIZE" 2>/dev/null)"; then
+  echo "unknown SIZE '$SIZE'"; "${SIZE_TABLE[@]}" list; exit 2
 fi
 read -r LAYERS HIDDEN HEADS FFN TABLE_MBS <<<"$ROW"
 
@@ -43,7 +45,7 @@ fi
 TP="${TP:-1}"; PP="${PP:-1}"
 MBS="${MBS:-$TABLE_MBS}"
 DP=$(( NPROC / (TP * PP) ))
-SEQ_LEN="${SEQ_LEN:-$(python3 tools/model_sizes.py seq-length)}"
+SEQ_LEN="${SEQ_LEN:-$("${SIZE_TABLE[@]}" seq-length)}"
 if [ "$SIZE" = default ]; then TRAIN_ITERS="${TRAIN_ITERS:-100}"; LR="${LR:-1e-3}"; else TRAIN_ITERS="${TRAIN_ITERS:-1000}"; LR="${LR:-3e-4}"; fi
 
 # Memory plan: refuse a size that cannot fit before preparing data or starting processes.
@@ -57,7 +59,7 @@ if [ -f "$PLAN_DIR/model_args.txt" ] && [ -f "$PLAN_DIR/ds_config.json" ]; then
   echo "[start.sh] reusing the memory plan in $PLAN_DIR"
 else
   # shellcheck disable=SC2086
-  python tools/plan_memory.py --size "$SIZE" --seq-length "$SEQ_LEN" --micro-batch-size "$MBS" \
+  python -m ptm_planner --size "$SIZE" --seq-length "$SEQ_LEN" --micro-batch-size "$MBS" \
     --nproc-per-node "$(( NPROC / NNODES ))" --nnodes "$NNODES" --tensor-model-parallel-size "$TP" \
     --pipeline-model-parallel-size "$PP" --device "$PLAN_DEVICE" --vocab-size "$PLAN_VOCAB" $PREC \
     --write-ds-config "$PLAN_DIR/ds_config.json" --write-args "$PLAN_DIR/model_args.txt" ${PLAN_ARGS:-} \

@@ -1,7 +1,7 @@
 """Gradient reduction driven by autograd hooks, so it works however backward is invoked.
 
 Each managed parameter has a post-accumulate-grad hook. It moves the gradient into its chunk's flat
-buffer and drops ``param.grad``. Two accumulation modes (see the zero_cache section of README.md):
+buffer and drops ``param.grad``. Two accumulation modes (docs/zero_cache/design.md):
 
 - ``shard`` (stages 2 and 3, DeepSpeed's way): when every parameter of a chunk has its gradient for the
   current backward pass, the chunk buffer (compute dtype) is reduce-scattered asynchronously and the

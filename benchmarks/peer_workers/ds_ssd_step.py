@@ -1,8 +1,9 @@
-"""DeepSpeed's side of benchmarks/bench_ssd.py, run in the peers' venv: its aio library's write/read GB/s on
+"""DeepSpeed's side of ``benchmarks.bench_ssd``, run in the peers' venv: its aio library's write/read GB/s on
 the same files, and DeepSpeedCPUAdam's step on the same parameters. Prints one JSON line.
 
-    python -m peer_workers.ds_ssd_step io --path /tmp --mib 512 --shards 8 --threads 4 --block 1048576 --rounds 3
-    python -m peer_workers.ds_ssd_step adam --params 16e6 --steps 3
+    python -m benchmarks.peer_workers.ds_ssd_step io --path /tmp --mib 512 --shards 8 --threads 4 \
+        --block 1048576 --rounds 3
+    python -m benchmarks.peer_workers.ds_ssd_step adam --params 16e6 --steps 3
 """
 from __future__ import annotations
 

@@ -22,14 +22,16 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PEERS_PYTHON = os.path.join(ROOT, "benchmarks", ".venv-peers", "bin", "python")  # benchmarks/peers_env.sh
+RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")  # printed tables and plots (in git)
+LOGS_DIR = os.path.join(ROOT, "benchmarks", "logs")  # raw logs, per-attempt files, caches (ignored by git)
 
 
 def worker_env(threads: int) -> dict[str, str]:
-    """A worker's environment, in either venv: the source tree and ``benchmarks/`` on the path, ``threads``
-    intra-op threads, DeepSpeed on its CPU accelerator with a persistent cache for the ops it JIT-builds."""
+    """A worker's environment, in either venv: the source tree on the path (workers run as
+    ``-m benchmarks.peer_workers.<module>``), ``threads`` intra-op threads, DeepSpeed on its CPU accelerator
+    with a persistent cache for the ops it JIT-builds."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.join(ROOT, "benchmarks"), ROOT,
-                                                      env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = str(threads)
     env.setdefault("DS_ACCELERATOR", "cpu")
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/ptm/torch_extensions"))

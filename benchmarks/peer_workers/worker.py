@@ -1,4 +1,5 @@
-"""One rank of one system's benchmark job; launched by benchmarks/zero3_vs_peers.py under torchrun:
+"""One rank of one system's benchmark job; launched under torchrun by ``benchmarks.zero3_vs_peers`` and
+``benchmarks.max_scale``:
 
     torchrun --standalone --nproc-per-node 2 -m benchmarks.peer_workers.worker \
         --impl ours --offload --spec spec.json --out-dir DIR

@@ -1,4 +1,5 @@
-"""tools/preprocess_data.py end to end: outputs, partitions/workers invariance, bad input, sentences, memory."""
+"""Preprocessing end to end (megatron.data.preprocess.cli, run as tools/preprocess_data.py): outputs,
+partitions/workers invariance, bad input, sentences, memory."""
 from __future__ import annotations
 
 import gzip
@@ -12,10 +13,10 @@ import pytest
 from tokenizers import ByteLevelBPETokenizer, Tokenizer
 
 from megatron.data.indexed_dataset import MMapIndexedDataset
+from megatron.data.preprocess import cli
 from megatron.tokenizer import GPT2BPETokenizer
 from tests.data.conftest import MULTILINGUAL, write_jsonl
 from tests.memory_utils import PeakRSS
-from tools import preprocess_data
 
 pytestmark = pytest.mark.multiprocess
 
@@ -45,7 +46,7 @@ def read_back(prefix):
 def test_outputs_match_tokenizer_and_do_not_depend_on_workers_or_partitions(tmp_path, bpe_files, capsys):
     docs = records(300)
     write_jsonl(tmp_path / "all.jsonl", docs)
-    preprocess_data.main(gpt2_args(bpe_files, [str(tmp_path / "all.jsonl")], tmp_path / "one/out", "--workers", "1"))
+    cli.main(gpt2_args(bpe_files, [str(tmp_path / "all.jsonl")], tmp_path / "one/out", "--workers", "1"))
     err = capsys.readouterr().err
     assert "docs/s" in err and "MB/s" in err and "ETA" in err
     tok = GPT2BPETokenizer(*bpe_files)
@@ -63,7 +64,7 @@ def test_outputs_match_tokenizer_and_do_not_depend_on_workers_or_partitions(tmp_
         opener = gzip.open if name.endswith(".gz") else open
         with opener(tmp_path / name, "wb") as f:
             f.write(lines)
-    preprocess_data.main(gpt2_args(bpe_files, [str(tmp_path / "[abc].jsonl*")], tmp_path / "many/out",
+    cli.main(gpt2_args(bpe_files, [str(tmp_path / "[abc].jsonl*")], tmp_path / "many/out",
                                    "--workers", "3", "--partitions", "2"))
     for key in ("text", "title"):
         for ext in ("bin", "idx"):
@@ -77,7 +78,7 @@ def test_byte_ranges_split_lines_exactly(tmp_path, bpe_files):
     """Many partitions over one plain file: every line lands in exactly one partition."""
     docs = records(120, seed=1)
     write_jsonl(tmp_path / "in.jsonl", docs)
-    preprocess_data.main(gpt2_args(bpe_files, [str(tmp_path / "in.jsonl")], tmp_path / "out",
+    cli.main(gpt2_args(bpe_files, [str(tmp_path / "in.jsonl")], tmp_path / "out",
                                    "--workers", "4", "--partitions", "4"))
     tok = GPT2BPETokenizer(*bpe_files)
     _, titles = read_back(tmp_path / "out_title_document")
@@ -91,25 +92,25 @@ def test_malformed_input_names_file_and_line(tmp_path, bpe_files, capsys):
     path = write_jsonl(tmp_path / "bad.jsonl", lines)
     args = gpt2_args(bpe_files, [path], tmp_path / "out/bad", "--workers", "2", "--partitions", "2")
     with pytest.raises(SystemExit, match=r"bad.jsonl:25: invalid JSON .*--skip-bad-lines"):
-        preprocess_data.main(args)
+        cli.main(args)
     assert not os.path.exists(tmp_path / "out") or os.listdir(tmp_path / "out") == []  # nothing left behind
     lines[24] = json.dumps(records(1)[0])
     write_jsonl(path, lines)
     with pytest.raises(SystemExit, match=r"bad.jsonl:32: key 'text' missing \(keys present: 'body', 'title'\)"):
-        preprocess_data.main(args)
+        cli.main(args)
     lines[5] = "[1, 2]"
     lines[9] = '{"text": "lone surrogate \\ud800", "title": "t"}'
     write_jsonl(path, lines)
-    preprocess_data.main(args + ["--skip-bad-lines"])
+    cli.main(args + ["--skip-bad-lines"])
     out = capsys.readouterr().out
     assert "skipped 3 bad line(s)" in out and "bad.jsonl:6: expected a JSON object" in out and "bad.jsonl:32" in out
     assert "bad.jsonl:10: cannot tokenize 'text'" in out
     ds, _ = read_back(tmp_path / "out/bad_title_document")
     assert ds.num_documents == 37
     with pytest.raises(SystemExit, match="no such file"):
-        preprocess_data.main(gpt2_args(bpe_files, [str(tmp_path / "missing*.jsonl")], tmp_path / "x"))
+        cli.main(gpt2_args(bpe_files, [str(tmp_path / "missing*.jsonl")], tmp_path / "x"))
     with pytest.raises(SystemExit, match="--vocab-file"):
-        preprocess_data.main(["--input", path, "--tokenizer-type", "GPT2BPETokenizer", "--output-prefix", "x"])
+        cli.main(["--input", path, "--tokenizer-type", "GPT2BPETokenizer", "--output-prefix", "x"])
 
 
 def test_split_sentences_trains_punkt_on_the_input(tmp_path, capsys):
@@ -119,7 +120,7 @@ def test_split_sentences_trains_punkt_on_the_input(tmp_path, capsys):
     path = write_jsonl(tmp_path / "s.jsonl", docs)
     base = ["--input", path, "--tokenizer-type", "HFTokenizer", "--tokenizer-model", str(_hf_tokenizer(tmp_path)),
             "--split-sentences", "--workers", "2"]
-    preprocess_data.main(base + ["--output-prefix", str(tmp_path / "s")])
+    cli.main(base + ["--output-prefix", str(tmp_path / "s")])
     assert "trained Punkt on the first" in capsys.readouterr().err
     hf = Tokenizer.from_file(str(_hf_tokenizer(tmp_path)))
     ds, sequences = read_back(tmp_path / "s_text_sentence")
@@ -128,7 +129,7 @@ def test_split_sentences_trains_punkt_on_the_input(tmp_path, capsys):
     assert [hf.decode(s) for s in sequences[:5]] == [
         "Dr. Smith went to Washington.", "He arrived at 5 p.m. on Monday!", "Did he stay?", "Yes.",
         "The end of the story."]
-    preprocess_data.main(base + ["--keep-newlines", "--output-prefix", str(tmp_path / "k")])
+    cli.main(base + ["--keep-newlines", "--output-prefix", str(tmp_path / "k")])
     _, kept = read_back(tmp_path / "k_text_sentence")
     assert [hf.decode(s) for s in kept[2:5]] == ["Did he stay? ", "Yes.\n", "The end of the story."]
 
@@ -179,6 +180,14 @@ def test_memory_stays_flat_on_large_input(tmp_path):
     # 10x the input (+200 MB) may cost a few MB more, never a share of the input
     assert peaks["large"] - peaks["small"] < 40e6, peaks
     assert peaks["large"] < 600e6, peaks
+
+
+def test_script_runs_from_any_directory(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--help"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("usage: preprocess_data.py") and "--output-prefix" in run.stdout
 
 
 def test_sample_corpus_is_deterministic(tmp_path):

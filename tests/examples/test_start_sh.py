@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from ptm_planner.sizes import table
+
 pytestmark = pytest.mark.multiprocess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -14,6 +16,11 @@ ROOT = Path(__file__).resolve().parents[2]
 def _run(*args, env=None, timeout=600):
     return subprocess.run(["bash", "examples/start.sh", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_list_prints_the_sizes_table():
+    proc = _run("list")
+    assert (proc.returncode, proc.stdout) == (0, table() + "\n"), proc.stderr
 
 
 def test_unknown_size_prints_the_table():

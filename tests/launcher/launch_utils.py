@@ -16,7 +16,7 @@ _GPT_LOSS_RE = re.compile(r"lm loss: ([0-9.]+E[+-]\d+)")
 
 
 def launcher_argv(*args: str, netns: str | None = None) -> list[str]:
-    argv = [sys.executable, "-m", "zero_cache.launcher", *args]
+    argv = [sys.executable, "-m", "ptm_launch", *args]
     return ["ip", "netns", "exec", netns, *argv] if netns else argv
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from zero_cache.launcher.commands import AGENT_PATH, remote_shell_command
-from zero_cache.launcher.config import config_from_args
-from zero_cache.launcher.env import EnvFileError, env_file_values, forwarded_environ, parse_env_file
-from zero_cache.launcher.runner import plan
+from ptm_launch.commands import AGENT_PATH, remote_shell_command
+from ptm_launch.config import config_from_args
+from ptm_launch.env import EnvFileError, env_file_values, forwarded_environ, parse_env_file
+from ptm_launch.runner import plan
 
 HOSTS = "node-a slots=2\nnode-b slots=2\n"
 ENVIRON = {"PYTHONPATH": "/src", "NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0",

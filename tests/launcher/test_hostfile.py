@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from zero_cache.launcher.hostfile import HostfileError, parse_hostfile_text, read_hostfile, select_resources
+from ptm_launch.hostfile import HostfileError, parse_hostfile_text, read_hostfile, select_resources
 
 POOL_TEXT = """
 # cluster

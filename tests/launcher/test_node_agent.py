@@ -8,7 +8,7 @@ import sys
 import psutil
 import pytest
 
-from zero_cache.launcher.commands import AGENT_PATH
+from ptm_launch.commands import AGENT_PATH
 
 pytestmark = pytest.mark.multiprocess
 

@@ -1,4 +1,5 @@
-"""benchmarks/gpu_check.sh --dry-run: lists its three stages (with the flags that matter) and touches nothing."""
+"""benchmarks/gpu_check.sh --dry-run: lists its three stages (with the flags that matter) and touches nothing;
+without OUT its files go to a new folder under benchmarks/logs/, which git ignores."""
 import os
 import re
 import subprocess
@@ -12,8 +13,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args, env=None):
+    base = {k: v for k, v in os.environ.items() if k != "OUT"}
     return subprocess.run(["bash", "benchmarks/gpu_check.sh", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60, env={**os.environ, **(env or {})})
+                          timeout=60, env={**base, **(env or {})})
 
 
 def test_dry_run_lists_the_three_stages(tmp_path):
@@ -44,6 +46,17 @@ def test_dry_run_lists_the_three_stages(tmp_path):
     assert lines.index(planner[0]) < lines.index(maxscale)  # the plan comes before the run that uses it
     assert f"$(cat {out}/maxscale.args) --train-iters 3 --deepspeed --deepspeed_config {out}/maxscale.json" in maxscale
     assert not out.exists()  # a dry run runs nothing and writes nothing
+
+
+def test_default_output_folder_is_under_benchmarks_logs():
+    proc = _run("--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    planner = next(ln for ln in proc.stdout.splitlines() if "tools/plan_memory.py" in ln)
+    match = re.search(r"--write-ds-config (\S+)/maxscale\.json", planner)
+    assert match, planner
+    work = Path(match.group(1))
+    assert work.parent == ROOT / "benchmarks" / "logs" and work.name.startswith("gpu_check-")
+    assert not work.exists()  # a dry run creates nothing
 
 
 def test_unknown_argument_is_a_usage_error():

@@ -1,14 +1,17 @@
-"""benchmarks/max_scale.py: its size <-> layers arithmetic is the model's own parameter count, and the
-report table states ratios from the attempts it is given."""
+"""benchmarks/max_scale.py: its size <-> layers arithmetic is the model's own parameter count, the report table
+states ratios from the attempts it is given, and raw files go to the log folder, not to the results; the
+benchmarks are a package that imports without sys.path edits."""
 from __future__ import annotations
 
+import importlib
+import json
 import os
 import sys
 
-from megatron.core.transformer_config import TransformerConfig
+import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
-import max_scale  # noqa: E402
+from benchmarks import max_scale
+from megatron.core.transformer_config import TransformerConfig
 
 
 def _count(layers: int) -> int:
@@ -23,8 +26,8 @@ def test_params_of_layers_is_the_model_count():
         assert max_scale.params_of(layers) == _count(layers)
 
 
-def test_issue_sizes_map_to_their_layer_counts():
-    # The DeepSpeed capacity figures of the issue: 0.74B, 1.04B, 1.54B, 1.79B; our goal 3.6B.
+def test_recorded_sizes_map_to_their_layer_counts():
+    # The recorded DeepSpeed capacity attempts: 0.74B, 1.04B, 1.54B, 1.79B; and 3.6B.
     assert [max_scale.layers_for(b) for b in (0.74, 1.04, 1.54, 1.79, 3.6)] == [12, 18, 28, 33, 69]
     assert abs(max_scale.params_of(69) / 1e9 - 3.607) < 1e-3
 
@@ -41,3 +44,51 @@ def test_table_ratios():
     assert "| ours | nvme | 69 | 3.61 | yes | 210.0 |" in text  # median of the steps after the first
     assert "ours 3.61B, DeepSpeed 1.79B (2.01x)" in text
     assert "| 2.18x |" in text  # median(110, 130) / median(50, 60)
+
+
+def test_capacity_cache_reads_the_recorded_attempts_and_writes_to_the_log_folder(tmp_path):
+    with open(max_scale.RECORDED_CACHE, encoding="utf-8") as f:
+        recorded = json.load(f)
+    assert max_scale.load_cache(str(tmp_path)) == recorded  # nothing rerun yet: the recorded attempts
+    updated = {"attempts": recorded["attempts"][:1]}
+    path = max_scale.save_cache(updated, str(tmp_path))
+    assert os.path.dirname(path) == str(tmp_path)
+    assert max_scale.load_cache(str(tmp_path)) == updated  # a rerun's cache wins from then on
+    with open(max_scale.RECORDED_CACHE, encoding="utf-8") as f:
+        assert json.load(f) == recorded  # the file in git is never rewritten
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_default_folders_tables_in_results_raw_files_in_logs(monkeypatch):
+    made, seen = [], {}
+
+    def load_cache(log_dir):
+        seen["log_dir"] = log_dir
+        raise _Stop  # nothing is run: only the folders the defaults name are looked at
+
+    monkeypatch.setattr(max_scale, "load_cache", load_cache)
+    monkeypatch.setattr(max_scale.os, "makedirs", lambda path, exist_ok=False: made.append(path))
+    with pytest.raises(_Stop):
+        max_scale.main(["--ours-sizes", "--compare-size", "0"])
+    root = os.path.dirname(os.path.dirname(os.path.abspath(max_scale.__file__)))
+    assert os.path.join(root, "benchmarks", "results", "max_scale") in made
+    logs = os.path.join(root, "benchmarks", "logs", "max_scale")
+    assert logs in made and seen["log_dir"] == logs
+
+
+def test_gitignore_keeps_the_logs_folder_out():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(max_scale.__file__)))
+    with open(os.path.join(root, ".gitignore"), encoding="utf-8") as f:
+        assert "/benchmarks/logs/" in f.read().split()
+
+
+@pytest.mark.parametrize("name", ["zero3_vs_peers", "max_scale", "bench_ssd", "bench_trainer", "bench_data",
+                                  "peer_workers.worker", "peer_workers.harness"])
+def test_benchmarks_import_as_modules_without_path_edits(name):
+    before = list(sys.path)
+    module = importlib.import_module(f"benchmarks.{name}")
+    assert module.__name__ == f"benchmarks.{name}"
+    assert sys.path == before

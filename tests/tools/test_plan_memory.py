@@ -1,16 +1,20 @@
-"""tools/plan_memory.py: per-tier bytes equal the engine's own accounting; verdicts, --largest and outputs."""
+"""The memory planner (ptm_planner): per-tier bytes equal the engine's own accounting; verdicts, --largest and
+outputs; the sizes table needs only the standard library; tools/plan_memory.py runs from anywhere."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from ptm_planner.cli import EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, EXIT_FITS, main, request_from_args
+from ptm_planner.plan import GiB, Option, Planner, with_layers
+from ptm_planner.sizes import SIZES, table
 from tests.dist_utils import run_distributed
 from tests.training.parallel_harness import TINY_GPT
-from tools.memory_planner import EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, EXIT_FITS, GiB, Option, Planner, with_layers
-from tools.model_sizes import SIZES
-from tools.plan_memory import main, request_from_args
 
 # TINY_GPT's model as planner flags (its NullTokenizer --vocab-size 100 has 101 ids, padded to 128).
 TINY_PLAN = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -238,3 +242,33 @@ def test_shipped_maxscale_config_is_the_planners_choice_for_a_node_like_this_one
     assert (z.stage, z.offload_optimizer.device, z.offload_param.device) == (3, "nvme", "nvme")
     assert z.pipeline_optimizer and 0 < z.prefetch_cache_sub_group_rate < 1  # memory left over caches sub-groups
     assert min(z.memory_budget.device, z.memory_budget.host, z.memory_budget.nvme) >= 0
+
+
+def _without_pythonpath() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+@pytest.mark.multiprocess
+def test_sizes_table_runs_on_a_bare_python():
+    """start.sh reads the table with the system python3 before the environment exists: no site-packages."""
+    def sizes(*args):
+        return subprocess.run([sys.executable, "-S", "-m", "ptm_planner.sizes", *args], cwd=ROOT,
+                              env=_without_pythonpath(), capture_output=True, text=True, timeout=60)
+    listed, row, unknown = sizes("list"), sizes("row", "1.3b"), sizes("row", "bogus")
+    assert (listed.returncode, listed.stdout) == (0, table() + "\n"), listed.stderr
+    assert (row.returncode, row.stdout) == (0, "24 2048 16 8192 4\n"), row.stderr
+    assert unknown.returncode == 2 and "unknown SIZE 'bogus'" in unknown.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("how", ["script from elsewhere", "python -m from the repository"])
+def test_command_line_prints_what_main_prints(how, tmp_path, capsys):
+    argv, cwd = {"script from elsewhere": ([str(ROOT / "tools" / "plan_memory.py")], tmp_path),
+                 "python -m from the repository": (["-m", "ptm_planner"], ROOT)}[how]
+    for args, code in ((["--size", "default"] + BOX, EXIT_FITS), (["--hidden-size", "64"], EXIT_BAD_INPUT)):
+        capsys.readouterr()
+        assert main(args) == code
+        expected = capsys.readouterr()
+        run = subprocess.run([sys.executable, *argv, *args], cwd=cwd, env=_without_pythonpath(),
+                             capture_output=True, text=True, timeout=300)
+        assert (run.returncode, run.stdout, run.stderr) == (code, expected.out, expected.err)

@@ -1,11 +1,30 @@
 """Config parsing: every DeepSpeed/AngelPTM key accepted, typos and bad values are one clear error."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
+import subprocess
+import sys
+import typing
+from pathlib import Path
 
 import pytest
+import torch
 
-from zero_cache.config import ZeroConfigError, parse_config
+import zero_cache
+from tests.zero_cache.common import batches, ds_config, make_model, train_engine
+from zero_cache.config import (
+    DOC_PATH,
+    ZeroCacheConfig,
+    ZeroConfigError,
+    ZeroOptimizationConfig,
+    config_keys,
+    markdown,
+    parse_config,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
 
 FULL = {
     "train_batch_size": 32, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
@@ -91,3 +110,143 @@ def test_nvme_optimizer_offload_is_accepted():
     cfg = parse_config({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/x"}},
                         "aio": {"queue_depth": 4, "intra_op_parallelism": 2}}, dp_world_size=2)
     assert cfg.zero_optimization.offload_optimizer.device == "nvme" and cfg.aio.intra_op_parallelism == 2
+
+
+# ---- documentation ----------------------------------------------------------------------------------------
+def _blocks(cls=ZeroCacheConfig):
+    yield cls
+    for tp in typing.get_type_hints(cls).values():
+        if dataclasses.is_dataclass(tp):
+            yield from _blocks(tp)
+
+
+def test_every_field_of_every_block_is_documented():
+    blocks = list(_blocks())
+    assert len(blocks) == 10
+    for cls in blocks:
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            assert meta.get("doc", "").strip(), f"{cls.__name__}.{f.name} has no doc"
+            assert isinstance(meta.get("acts"), bool), f"{cls.__name__}.{f.name} does not say whether it acts"
+    assert {k.path.rpartition(".")[2] for k in config_keys()} >= {"allgather_bucket_size", "use_gds", "nvme"}
+
+
+def test_committed_reference_is_the_generators_output():
+    committed = (ROOT / DOC_PATH).read_text(encoding="utf-8")
+    assert committed == markdown(), f"{DOC_PATH} is stale: run python -m zero_cache.config --markdown > {DOC_PATH}"
+    for k in config_keys():
+        assert f"| `{k.path}` |" in committed
+
+
+@pytest.mark.multiprocess
+def test_generator_command_prints_the_reference():
+    proc = subprocess.run([sys.executable, "-m", "zero_cache.config", "--markdown"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == markdown()
+
+
+# ---- keys without effect ----------------------------------------------------------------------------------
+INERT = [k.path for k in config_keys() if not k.acts]
+
+
+def _nested(paths_values: dict) -> dict:
+    out: dict = {}
+    for path, value in paths_values.items():
+        *blocks, name = path.split(".")
+        node = out
+        for b in blocks:
+            node = node.setdefault(b, {})
+        node[name] = value
+    return out
+
+
+def _inert_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "zero_cache.config" and "have no effect here" in r.getMessage()]
+
+
+def test_inert_keys_are_the_deepspeed_keys_without_a_mechanism_here():
+    assert INERT == [
+        "wall_clock_breakdown", "fp16.auto_cast", "zero_optimization.contiguous_gradients",
+        "zero_optimization.reduce_scatter", "zero_optimization.reduce_bucket_size",
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+        "zero_optimization.offload_param.buffer_count", "zero_optimization.offload_param.buffer_size",
+        "zero_optimization.offload_param.max_in_cpu", "zero_optimization.offload_optimizer.buffer_count",
+        "zero_optimization.offload_optimizer.pipeline_read", "zero_optimization.offload_optimizer.pipeline_write",
+        "zero_optimization.offload_optimizer.fast_init", "zero_optimization.offload_optimizer.ratio",
+        "aio.single_submit", "aio.overlap_events", "aio.use_gds"]
+
+
+def test_set_inert_keys_warn_once_naming_them(caplog):
+    defaults = {k.path: k.default for k in config_keys() if not k.acts}
+    with caplog.at_level(logging.WARNING, logger="zero_cache.config"):
+        parse_config(_nested(defaults))  # set to their defaults: still set, still named
+    (message,) = _inert_warnings(caplog)
+    assert message == ("zero_cache config: keys accepted for DeepSpeed compatibility that have no effect here: "
+                       + ", ".join(INERT) + f" (see {DOC_PATH})")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="zero_cache.config"):
+        parse_config(FULL, dp_world_size=4)
+    (message,) = _inert_warnings(caplog)
+    named = message.split("no effect here: ")[1].split(" (see")[0].split(", ")
+    assert named == ["wall_clock_breakdown", "zero_optimization.contiguous_gradients",
+                     "zero_optimization.reduce_bucket_size",
+                     "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+                     "zero_optimization.offload_param.buffer_count", "zero_optimization.offload_param.buffer_size",
+                     "zero_optimization.offload_param.max_in_cpu", "zero_optimization.offload_optimizer.buffer_count",
+                     "zero_optimization.offload_optimizer.pipeline_read",
+                     "zero_optimization.offload_optimizer.pipeline_write", "zero_optimization.offload_optimizer.ratio",
+                     "aio.single_submit", "aio.overlap_events"]
+
+
+def test_defaults_and_built_configs_do_not_warn(caplog):
+    with caplog.at_level(logging.WARNING, logger="zero_cache.config"):
+        parse_config({})
+        cfg = parse_config({"zero_optimization": {"stage": 2, "overlap_comm": True, "sub_group_size": 10}})
+        parse_config(ZeroCacheConfig())
+        parse_config(cfg)
+    assert _inert_warnings(caplog) == []
+
+
+# ---- overlap_comm -----------------------------------------------------------------------------------------
+def test_overlap_comm_false_waits_for_every_reduction():
+    assert parse_config({}).zero_optimization.max_param_reduce_events == 1
+    z = parse_config({"zero_optimization": {"overlap_comm": False}}).zero_optimization
+    assert z.max_param_reduce_events == 0
+    z = parse_config({"zero_optimization": {"overlap_comm": False, "max_param_reduce_events": 0}}).zero_optimization
+    assert z.max_param_reduce_events == 0
+    z = parse_config({"zero_optimization": {"overlap_comm": True, "max_param_reduce_events": 3}}).zero_optimization
+    assert z.max_param_reduce_events == 3
+    built = ZeroCacheConfig(zero_optimization=ZeroOptimizationConfig(overlap_comm=False))
+    assert parse_config(built).zero_optimization.max_param_reduce_events == 0
+    assert built.zero_optimization.max_param_reduce_events == 1  # the caller's object is not changed
+    with pytest.raises(ZeroConfigError, match=r"'zero_optimization.overlap_comm' is false .* but "
+                                              r"'zero_optimization.max_param_reduce_events' is 2"):
+        parse_config({"zero_optimization": {"overlap_comm": False, "max_param_reduce_events": 2}})
+
+
+def test_engine_without_overlap_comm_has_no_reduction_in_flight():
+    data = batches(2)
+
+    def run(overlap: bool):
+        config = ds_config(2, 1, overlap_comm=overlap)
+        del config["zero_optimization"]["max_param_reduce_events"]
+        engine = zero_cache.initialize(make_model(), config)
+        in_flight = []
+        reduce = engine.reducer._reduce
+
+        def spy(c):
+            reduce(c)
+            in_flight.append(len(engine.reducer.pending))
+        engine.reducer._reduce = spy
+        losses = train_engine(engine, data, rank=0, dp=1)
+        weights = engine.gather_state_dict()
+        engine.close()
+        return losses, weights, in_flight
+
+    losses, weights, in_flight = run(False)
+    assert in_flight and max(in_flight) == 0
+    ref_losses, ref_weights, ref_in_flight = run(True)
+    assert max(ref_in_flight) == 1
+    assert losses == ref_losses and all(torch.equal(weights[n], ref_weights[n]) for n in weights)

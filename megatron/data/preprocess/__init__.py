@@ -1,1 +1,1 @@
-"""JSONL -> Megatron .bin/.idx preprocessing (used by tools/preprocess_data.py)."""
+"""JSONL -> Megatron .bin/.idx preprocessing; the command line is cli.py (ptm-preprocess, tools/preprocess_data.py)."""

@@ -1,0 +1,5 @@
+import sys
+
+from ptm_launch.runner import main
+
+sys.exit(main())

@@ -1,0 +1,114 @@
+"""Command lines: torchrun per node, wrapped in the node agent, sent over ssh/pdsh or run locally.
+
+Everything sent to a remote shell is built from a list of arguments, each ``shlex.quote``-d, so a
+host name, a script argument or an environment value cannot run commands on the remote host.
+"""
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ptm_launch import node_agent
+from ptm_launch.config import DEFAULT_MASTER_PORT, LaunchConfig
+
+# ssh must fail instead of prompting, and notice a host that went silent (power loss, network).
+SSH_DEFAULT_OPTIONS = ("-o", "BatchMode=yes", "-o", "ServerAliveInterval=10", "-o", "ServerAliveCountMax=3")
+AGENT_PATH = str(Path(node_agent.__file__).resolve())
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    host: str
+    node_rank: int
+    slots: tuple[int, ...]
+    argv: tuple[str, ...]  # executed on this machine: ssh/pdsh, or the agent itself for a local run
+    env: dict[str, str] = field(default_factory=dict)  # set on top of the launcher's environment
+    output_prefix: str = ""  # put before every output line (pdsh adds its own "host: ")
+    stdin_reaches_agent: bool = True  # closing our stdin pipe stops the node (not through pdsh)
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    nnodes: int
+    master_addr: str | None  # None: torchrun --standalone picks a free local port
+    master_port: int | None
+
+
+def torchrun_argv(cfg: LaunchConfig, python: str, rdzv: Rendezvous, node_rank: int, nproc: int) -> list[str]:
+    argv = [python, "-u", "-m", "torch.distributed.run", "--nnodes", str(rdzv.nnodes),
+            "--nproc-per-node", str(nproc)]
+    if rdzv.master_addr is None:
+        argv.append("--standalone")
+    else:
+        argv += ["--node-rank", str(node_rank), "--master-addr", rdzv.master_addr,
+                 "--master-port", str(rdzv.master_port)]
+    if cfg.module:
+        argv.append("--module")
+    if cfg.no_python:
+        argv.append("--no-python")
+    return argv + [cfg.user_script, *cfg.user_args]
+
+
+def agent_argv(python: str, command: list[str], watch_stdin: bool, grace: float, label: str) -> list[str]:
+    flags = ["--watch-stdin"] if watch_stdin else []
+    return [python, "-u", AGENT_PATH, *flags, "--grace", str(grace), "--label", label, "--", *command]
+
+
+def remote_shell_command(cwd: str, exports: dict[str, str], argv: list[str]) -> str:
+    """``cd CWD && exec env K=V ... ARGV``: one POSIX shell line, every piece quoted."""
+    words = ["env", *(f"{key}={value}" for key, value in exports.items()), *argv]
+    return f"cd {shlex.quote(cwd)} && exec " + " ".join(shlex.quote(word) for word in words)
+
+
+def ssh_argv(cfg: LaunchConfig, host: str, command: str) -> list[str]:
+    port = ["-p", str(cfg.ssh_port)] if cfg.ssh_port else []
+    # ssh keeps the first value of an option: the user's --launcher_args override our defaults.
+    return ["ssh", *cfg.launcher_args, *port, *SSH_DEFAULT_OPTIONS, "--", host, command]
+
+
+def pdsh_argv(cfg: LaunchConfig, host: str, command: str) -> list[str]:
+    return ["pdsh", "-S", *cfg.launcher_args, "-w", host, command]
+
+
+def pdsh_env(cfg: LaunchConfig, environ: dict[str, str]) -> dict[str, str]:
+    port = f" -p {cfg.ssh_port}" if cfg.ssh_port else ""
+    append = f"{environ.get('PDSH_SSH_ARGS_APPEND', '')}{port} {' '.join(SSH_DEFAULT_OPTIONS)}".strip()
+    return {"PDSH_RCMD_TYPE": environ.get("PDSH_RCMD_TYPE", "ssh"), "PDSH_SSH_ARGS_APPEND": append}
+
+
+def visible_devices(slots: list[int], total: int) -> dict[str, str]:
+    """Pin a node to its selected slots only when they are not simply all of them."""
+    return {} if slots == list(range(total)) else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slots))}
+
+
+def plan_local(cfg: LaunchConfig, python: str, host: str, slots: list[int], total: int,
+               file_env: dict[str, str]) -> list[NodeSpec]:
+    """One node on this machine: torchrun under the agent, no ssh."""
+    explicit = cfg.master_port is not None or cfg.master_addr is not None
+    rdzv = Rendezvous(1, cfg.master_addr or "127.0.0.1", cfg.master_port or DEFAULT_MASTER_PORT) if explicit \
+        else Rendezvous(1, None, None)
+    command = torchrun_argv(cfg, python, rdzv, 0, len(slots))
+    argv = agent_argv(python, command, watch_stdin=True, grace=cfg.stop_timeout / 2, label=host)
+    return [NodeSpec(host, 0, tuple(slots), tuple(argv), {**file_env, **visible_devices(slots, total)})]
+
+
+def plan_remote(cfg: LaunchConfig, python: str, cwd: str, selection: dict[str, list[int]],
+                pool: dict[str, int], exports: dict[str, str], environ: dict[str, str]) -> list[NodeSpec]:
+    """One ssh/pdsh process per selected host; node ranks (and so global ranks) in hostfile order."""
+    hosts = list(selection)
+    rdzv = Rendezvous(len(hosts), cfg.master_addr or hosts[0], cfg.master_port or DEFAULT_MASTER_PORT)
+    nodes = []
+    for node_rank, host in enumerate(hosts):
+        slots = selection[host]
+        command = torchrun_argv(cfg, python, rdzv, node_rank, len(slots))
+        ssh = cfg.launcher == "ssh"  # pdsh does not pass our stdin on, so the agent cannot watch it
+        argv = agent_argv(python, command, watch_stdin=ssh, grace=cfg.stop_timeout / 2, label=host)
+        shell = remote_shell_command(cwd, {**exports, **visible_devices(slots, pool[host])}, argv)
+        if ssh:
+            nodes.append(NodeSpec(host, node_rank, tuple(slots), tuple(ssh_argv(cfg, host, shell)),
+                                  output_prefix=f"{host}: "))
+        else:
+            nodes.append(NodeSpec(host, node_rank, tuple(slots), tuple(pdsh_argv(cfg, host, shell)),
+                                  env=pdsh_env(cfg, environ), stdin_reaches_agent=False))
+    return nodes

@@ -1,0 +1,91 @@
+"""Command line of ``ptm-launch`` (the DeepSpeed runner's option names) and the config built from it."""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+from dataclasses import dataclass
+
+DEFAULT_MASTER_PORT = 29500
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    user_script: str
+    user_args: tuple[str, ...]
+    hostfile: str | None = None
+    include: str = ""
+    exclude: str = ""
+    num_nodes: int = -1
+    num_gpus: int = -1
+    master_addr: str | None = None
+    master_port: int | None = None
+    launcher: str = "ssh"
+    launcher_args: tuple[str, ...] = ()
+    ssh_port: int | None = None
+    module: bool = False
+    no_python: bool = False
+    force_multi: bool = False
+    stop_timeout: float = 30.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ptm-launch",
+        description="Start a torch.distributed job on this machine or on the hosts of a hostfile: one torchrun "
+                    "per host (over ssh or pdsh), ranks laid out in hostfile order.",
+        epilog="Hostfile lines: 'hostname slots=N'. See docs/multinode.md.")
+    parser.add_argument("--hostfile", default=None,
+                        help="hostfile of 'hostname slots=N' lines; without it the job runs on this machine only")
+    parser.add_argument("--include", default="",
+                        help="use only these hosts/slots, e.g. 'worker-0@worker-1:0,2'")
+    parser.add_argument("--exclude", default="",
+                        help="leave out these hosts/slots, e.g. 'worker-1:0'")
+    parser.add_argument("--num_nodes", type=int, default=-1, help="use the first N selected hosts")
+    parser.add_argument("--num_gpus", "--num_accelerators", type=int, default=-1,
+                        help="processes per host (the first N selected slots); without a hostfile and without "
+                             "GPUs: the number of CPU processes (default 1)")
+    parser.add_argument("--master_addr", default=None,
+                        help="address of the first host as the other hosts reach it (default: its hostfile name)")
+    parser.add_argument("--master_port", type=int, default=None,
+                        help=f"TCP port of the rendezvous store on the first host (default {DEFAULT_MASTER_PORT}; "
+                             f"a free port for a one-machine run)")
+    parser.add_argument("--launcher", choices=("ssh", "pdsh"), default="ssh",
+                        help="how to start torchrun on the other hosts")
+    parser.add_argument("--launcher_args", default="",
+                        help="extra arguments for ssh or pdsh, e.g. --launcher_args=\"-F ~/.ssh/cluster_config\" "
+                             "(a leading ~ of each argument is expanded)")
+    parser.add_argument("--ssh_port", type=int, default=None, help="sshd port on the hosts")
+    parser.add_argument("--module", action="store_true", help="the script is a python module name (python -m)")
+    parser.add_argument("--no_python", action="store_true", help="run the script as an executable, not with python")
+    parser.add_argument("--force_multi", action="store_true",
+                        help="use ssh/pdsh even when only one host is selected")
+    parser.add_argument("--stop_timeout", type=float, default=30.0,
+                        help="seconds the other nodes get to stop after a failure or Ctrl-C before they are killed")
+    parser.add_argument("user_script", help="training script (or module with --module)")
+    parser.add_argument("user_args", nargs=argparse.REMAINDER, help="arguments of the training script")
+    return parser
+
+
+def config_from_args(argv: list[str] | None = None) -> LaunchConfig:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for flag in ("num_nodes", "num_gpus"):
+        value = getattr(args, flag)
+        if value == 0 or value < -1:
+            parser.error(f"--{flag} must be a positive integer (or left out for all), got {value}")
+    for flag in ("master_port", "ssh_port"):
+        value = getattr(args, flag)
+        if value is not None and not 0 < value < 65536:
+            parser.error(f"--{flag} must be a TCP port 1..65535, got {value}")
+    if args.module and args.no_python:
+        parser.error("--module and --no_python cannot be combined")
+    if args.stop_timeout <= 0:
+        parser.error(f"--stop_timeout must be positive, got {args.stop_timeout}")
+    return LaunchConfig(
+        user_script=args.user_script, user_args=tuple(args.user_args), hostfile=args.hostfile,
+        include=args.include, exclude=args.exclude, num_nodes=args.num_nodes, num_gpus=args.num_gpus,
+        master_addr=args.master_addr, master_port=args.master_port, launcher=args.launcher,
+        launcher_args=tuple(os.path.expanduser(arg) for arg in shlex.split(args.launcher_args)),
+        ssh_port=args.ssh_port, module=args.module,
+        no_python=args.no_python, force_multi=args.force_multi, stop_timeout=args.stop_timeout)

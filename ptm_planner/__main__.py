@@ -1,0 +1,5 @@
+import sys
+
+from ptm_planner.cli import main
+
+sys.exit(main())

@@ -1,0 +1,354 @@
+"""Memory planner: does a GPT fit this hardware under zero_cache ZeRO-3, and where does every state live?
+
+    python tools/plan_memory.py --size 1.3b --nproc-per-node 8 --bf16 --device cuda
+    python tools/plan_memory.py --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --largest
+    ptm-plan --size 55 --host-memory-gib 24 --nvme-free-gib 70 --json
+    python -m ptm_planner --size 125m --device cpu      # as examples/start.sh runs it
+
+The command line, hardware detection and reports; how the plan is made is ptm_planner.plan. Exit
+status: 0 fits, 3 does not fit (the message names the largest model of the family and of the start.sh
+table that fit, and the hardware the request needs), 2 bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+
+import psutil
+import torch
+
+from megatron.core.parallel_state import ParallelConfigError
+from megatron.training.arguments import ConfigError as MegatronConfigError
+from megatron.training.arguments import _add_model_args, transformer_config_from_args
+from ptm_planner.plan import (
+    DEFAULT_VOCAB_SIZE,
+    OFFLOADS,
+    GiB,
+    Hardware,
+    Plan,
+    Request,
+    format_bytes,
+    largest_layers,
+    plan,
+    with_layers,
+)
+from ptm_planner.sizes import DEFAULT_SEQ_LENGTH, SIZES, get_size
+from ptm_planner.stages import Mesh
+from zero_cache.store import DEVICE, HOST, NVME, TIERS
+
+EXIT_FITS, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 2, 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="plan_memory.py", allow_abbrev=False,
+        description="Plan GPU/host/SSD memory for a GPT under zero_cache ZeRO-3 (exit 0 fits, 3 does not fit).")
+    p.add_argument("--size", choices=[s.name for s in SIZES], default=None,
+                   help="a size of examples/start.sh (model flags given as well override it)")
+    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
+                   help="tokenizer vocabulary (unpadded; padded like the trainer)")
+    _add_model_args(p)  # Megatron's own model flags (--num-layers ... --swiglu --bf16 ...)
+    g = p.add_argument_group("mesh")
+    g.add_argument("--nproc-per-node", type=int, default=None, help="default: the GPUs here, else 2 (as start.sh)")
+    g.add_argument("--nnodes", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--micro-batch-size", type=int, default=None,
+                   help="requested micro-batch (default: the size's, else 1); lowered if it does not fit")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="force full activation recompute (else recommended only when needed)")
+    g = p.add_argument_group("hardware (detected when omitted)")
+    g.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    g.add_argument("--device-memory-gib", type=float, default=None, help="accelerator memory per device")
+    g.add_argument("--host-memory-gib", type=float, default=None, help="host memory per node (default: available)")
+    g.add_argument("--nvme-path", default=os.path.join(tempfile.gettempdir(), "zero_cache_nvme"))
+    g.add_argument("--nvme-free-gib", type=float, default=None, help="free disk under --nvme-path")
+    g.add_argument("--cpus", type=int, default=None, help="CPU cores per node (SSD I/O threads)")
+    g = p.add_argument_group("output")
+    g.add_argument("--offload", choices=["auto", *OFFLOADS], default="auto",
+                   help="restrict the plan to one offload mode (default: the fastest that fits)")
+    g.add_argument("--largest", action="store_true", help="plan the largest model of this family (grow --num-layers)")
+    g.add_argument("--write-ds-config", metavar="PATH", help="write the chosen zero_cache JSON config")
+    g.add_argument("--write-args", metavar="PATH", help="write the planned Megatron flags, one shell word per line")
+    g.add_argument("--json", action="store_true", help="machine-readable plan on stdout")
+    return p
+
+
+def _existing_parent(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.isdir(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def detect_hardware(args: argparse.Namespace) -> Hardware:
+    detected = []
+    cuda_here = torch.cuda.is_available()
+    device = args.device or ("cuda" if cuda_here else "cpu")
+    if args.device is None:
+        detected.append("device")
+    if device == "cpu":
+        if args.device_memory_gib is not None:
+            raise ValueError("--device-memory-gib is for --device cuda; on cpu the device tier is host memory "
+                             "(give --host-memory-gib)")
+        device_memory = 0
+    elif args.device_memory_gib is not None:
+        device_memory = int(args.device_memory_gib * GiB)
+    elif cuda_here:
+        device_memory = torch.cuda.get_device_properties(0).total_memory
+        detected.append("device_memory")
+    else:
+        raise ValueError("--device cuda on a machine without CUDA: give --device-memory-gib (memory per GPU)")
+    if args.host_memory_gib is not None:
+        host = int(args.host_memory_gib * GiB)
+    else:
+        host = psutil.virtual_memory().available
+        detected.append("host_memory")
+    if args.nvme_free_gib is not None:
+        nvme = int(args.nvme_free_gib * GiB)
+    else:
+        nvme = psutil.disk_usage(_existing_parent(args.nvme_path)).free
+        detected.append("nvme_free")
+    cpus = args.cpus or os.cpu_count() or 1
+    for name, value in (("--host-memory-gib", host), ("--nvme-free-gib", nvme)):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0")
+    if device == "cuda" and device_memory <= 0:
+        raise ValueError("--device-memory-gib must be > 0")
+    return Hardware(device, device_memory, host, args.nvme_path, nvme, cpus, tuple(detected))
+
+
+def request_from_args(argv: list[str]) -> tuple[Request, argparse.Namespace]:
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--size", default=None)
+    pre.add_argument("--largest", action="store_true")
+    pre.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    known, _ = pre.parse_known_args(argv)
+    defaults = ["--seq-length", str(DEFAULT_SEQ_LENGTH)]
+    size = None
+    if known.size is not None:
+        size = get_size(known.size)
+        defaults += size.megatron_args()
+    elif known.largest:  # the layer count is what --largest finds
+        defaults += ["--num-layers", str(max(1, known.pipeline_model_parallel_size))]
+    elif "-h" not in argv and "--help" not in argv and "--num-layers" not in argv:
+        raise ValueError("give --size NAME (see examples/start.sh list) or the model shape: --num-layers L "
+                         "--hidden-size H --num-attention-heads A")
+    args = build_parser().parse_args(defaults + argv)  # the request's own flags come last and win
+    if args.micro_batch_size is None:
+        args.micro_batch_size = size.micro_batch_size if size else 1
+    for name in ("micro_batch_size", "nproc_per_node", "nnodes", "vocab_size"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0 (got {value})")
+    if args.fp16 and args.bf16:
+        raise ValueError("--fp16 and --bf16 are mutually exclusive; pick one")
+    if args.checkpoint_activations or args.recompute_activations:
+        args.recompute_granularity = "full"
+    args.params_dtype = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
+    args.seed = 1234  # initialisation only; no effect on memory
+    hardware = detect_hardware(args)
+    if args.nproc_per_node is None:
+        args.nproc_per_node = (torch.cuda.device_count() or 1) if hardware.device == "cuda" and \
+            torch.cuda.is_available() else (1 if hardware.device == "cuda" else 2)
+    mesh = Mesh(args.nproc_per_node, args.nnodes, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    try:
+        mesh.dp  # noqa: B018  (validates the mesh)
+        model = transformer_config_from_args(args, args.vocab_size)
+    except (ParallelConfigError, MegatronConfigError) as e:
+        raise ValueError(str(e)) from None
+    if model.num_layers % mesh.pp:
+        raise ValueError(f"--num-layers {model.num_layers} is not divisible by --pipeline-model-parallel-size "
+                         f"{mesh.pp}")
+    offloads = OFFLOADS if args.offload == "auto" else (args.offload,)
+    return Request(model, mesh, hardware, args.micro_batch_size, offloads, args.make_vocab_size_divisible_by,
+                   known.size), args
+
+
+def megatron_args(p: Plan) -> list[str]:
+    """The planned model and batch as Megatron-LM flags (accepted by megatron/training/arguments.py)."""
+    m, r, opt = p.request.model, p.request, p.chosen.option
+    out = ["--num-layers", str(m.num_layers), "--hidden-size", str(m.hidden_size),
+           "--num-attention-heads", str(m.num_attention_heads), "--ffn-hidden-size", str(m.ffn_hidden_size),
+           "--seq-length", str(m.seq_length), "--max-position-embeddings", str(m.max_position_embeddings)]
+    if m.num_query_groups != m.num_attention_heads:
+        out += ["--num-query-groups", str(m.num_query_groups)]
+    if m.kv_channels * m.num_attention_heads != m.hidden_size:
+        out += ["--kv-channels", str(m.kv_channels)]
+    if r.make_vocab_size_divisible_by != 128:
+        out += ["--make-vocab-size-divisible-by", str(r.make_vocab_size_divisible_by)]
+    if m.position_embedding_type != "learned_absolute":
+        out += ["--position-embedding-type", m.position_embedding_type]
+    if m.normalization != "LayerNorm":
+        out += ["--normalization", m.normalization]
+    out += ["--swiglu"] if m.swiglu else []
+    out += ["--disable-bias-linear"] if not m.add_bias_linear else []
+    out += ["--untie-embeddings-and-output-weights"] if m.untie_embeddings_and_output_weights else []
+    out += {"bf16": ["--bf16"], "fp16": ["--fp16"]}.get(m.precision, [])
+    out += ["--micro-batch-size", str(opt.micro_batch_size)]
+    if opt.recompute:
+        out += ["--recompute-granularity", "full", "--recompute-method", m.recompute_method,
+                "--recompute-num-layers", str(m.recompute_num_layers)]
+    out += ["--tensor-model-parallel-size", str(r.mesh.tp), "--pipeline-model-parallel-size", str(r.mesh.pp)]
+    return out
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def describe_model(r: Request, layers: int | None = None) -> str:
+    m = r.model if layers is None else dataclasses.replace(r.model, num_layers=layers)
+    name = f"{r.size_name} " if r.size_name and layers is None else ""
+    return (f"{name}GPT {_params(m.num_parameters())} parameters ({m.num_layers} layers, hidden {m.hidden_size}, "
+            f"{m.num_attention_heads} heads, ffn {m.ffn_hidden_size}, seq {m.seq_length}, "
+            f"vocab {m.padded_vocab_size}, {m.precision})")
+
+
+def to_json(p: Plan) -> dict:
+    ev, r = p.chosen, p.request
+    opt = ev.option
+    return {
+        "fits": p.fits,
+        "model": {"num_parameters": p.num_parameters, **dataclasses.asdict(r.model)},
+        "mesh": {**dataclasses.asdict(r.mesh), "data_parallel_size": r.mesh.dp, "world_size": r.mesh.world},
+        "hardware": dataclasses.asdict(r.hardware),
+        "option": dataclasses.asdict(opt),
+        "capacity_per_process": ev.capacity,
+        "memory_budget": ev.budgets,
+        "failures": ev.failures,
+        "stages": [{
+            "stage": st.stage, "parameters": st.numel,
+            "states": {f"{k}/{t}": n for (k, t), n in sorted(st.states.by_kind_tier.items())},
+            "states_by_tier": st.states.by_tier, "staging": st.states.staging, "nvme_disk": st.states.nvme_disk,
+            "sub_groups": st.states.sub_groups, "sub_groups_on_device": st.states.cached_sub_groups,
+            "nonstate": dataclasses.asdict(st.nonstate), "need": st.need(),
+        } for st in ev.stages],
+        "ds_config": ev.config,
+        "megatron_args": megatron_args(p),
+        "largest_layers": p.largest_layers,
+        "largest_parameters": p.largest_parameters,
+        "largest_size": p.largest_size,
+        "needs": p.needs,
+        "message": summary(p),
+    }
+
+
+def summary(p: Plan) -> str:
+    r = p.request
+    if p.fits:
+        o = p.chosen.option
+        return (f"fits: {describe_model(r)} on {r.mesh.world} processes (TP {r.mesh.tp}, PP {r.mesh.pp}, "
+                f"DP {r.mesh.dp}) with offload={o.offload}, micro-batch {o.micro_batch_size}"
+                f"{', full recompute' if o.recompute else ''}")
+    lines = [f"does not fit: {describe_model(r)} on {r.mesh.world} processes (TP {r.mesh.tp}, PP {r.mesh.pp}, "
+             f"DP {r.mesh.dp}) of this hardware:"]
+    lines += [f"  - {f}" for f in p.chosen.failures]
+    if p.largest_layers:
+        lines.append(f"the largest of this family that fits: --num-layers {p.largest_layers} "
+                     f"({_params(p.largest_parameters)} parameters)")
+    else:
+        lines.append("no model of this family fits, not even one layer per pipeline stage")
+    if p.largest_size:
+        lines.append(f"the largest examples/start.sh size that fits: {p.largest_size}")
+    else:
+        lines.append("no examples/start.sh size fits")
+    for name, need in p.needs.items():
+        parts = []
+        if "device_memory" in need:
+            parts.append(f"{format_bytes(need['device_memory'])} per accelerator")
+        parts.append(f"{format_bytes(need['host_memory'])} of host memory per node")
+        if need["nvme_free"] > 0:
+            parts.append(f"{format_bytes(need['nvme_free'])} free disk under {r.hardware.nvme_path}")
+        lines.append(f"the requested model needs ({name}): " + ", ".join(parts))
+    return "\n".join(lines)
+
+
+def table(p: Plan) -> str:
+    ev, r = p.chosen, p.request
+    cpu = r.hardware.device == "cpu"
+    hw = r.hardware
+    out = [f"model: {describe_model(r)}",
+           f"mesh: {r.mesh.nnodes} node(s) x {r.mesh.nproc_per_node} processes, TP {r.mesh.tp} PP {r.mesh.pp} "
+           f"DP {r.mesh.dp}",
+           f"hardware: {hw.device}"
+           + (f", {format_bytes(hw.device_memory)} per accelerator" if not cpu else " (the device tier is host memory)")
+           + f", {format_bytes(hw.host_memory)} host memory per node, {format_bytes(hw.nvme_free)} free under "
+             f"{hw.nvme_path}"
+           + (f" (detected: {', '.join(hw.detected)})" if hw.detected else ""),
+           f"option: offload={ev.option.offload}, micro-batch {ev.option.micro_batch_size}, "
+           f"{'full recompute' if ev.option.recompute else 'no recompute'}, sub_group_size {ev.option.sub_group_size}, "
+           f"prefetch_cache_sub_group_rate {ev.option.rate}", ""]
+    cols = ["tier", "params", "grads", "optimizer", "staging", "gathered", "reduce", "activations", "logits",
+            "overhead", "total"]
+    for st in ev.stages:
+        out.append(f"pipeline stage {st.stage} ({_params(st.numel)} parameters), bytes per process, GiB:")
+        rows = [cols]
+        ns, states = st.nonstate, st.states.by_kind_tier
+        for tier in TIERS:
+            vals = [states.get((k, tier), 0) for k in ("params", "grads", "optimizer")]
+            staging = st.states.staging if tier == HOST else 0
+            nonst = [ns.gathered, ns.reduce_buffers, ns.activations, ns.logits, ns.overhead_device] \
+                if tier == DEVICE else [0, 0, 0, 0, ns.overhead_host if tier == HOST else 0]
+            total = st.need()[tier]
+            rows.append([tier] + [f"{v / GiB:.3f}" for v in vals + [staging] + nonst + [total]])
+        widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
+        out += ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+        out.append(f"  activations: {format_bytes(ns.activations_full)} without recompute, "
+                   f"{format_bytes(ns.activations_recompute)} with full recompute; sub-groups "
+                   f"{st.states.sub_groups} ({st.states.cached_sub_groups} on the device); SSD page files "
+                   f"{format_bytes(st.states.nvme_disk)}")
+    cap = ev.capacity
+    if cpu:
+        out.append(f"capacity per process: host memory (device + host tiers) {format_bytes(cap['ram'])}, "
+                   f"disk {format_bytes(cap[NVME])}")
+    else:
+        out.append(f"capacity per process: accelerator {format_bytes(cap[DEVICE])}, host {format_bytes(cap[HOST])}, "
+                   f"disk {format_bytes(cap[NVME])}")
+    worst = {t: max(st.need()[t] for st in ev.stages) for t in TIERS}
+    n = r.mesh.nproc_per_node
+    node_ram = n * (worst[DEVICE] + worst[HOST] if cpu else worst[HOST])
+    out.append(f"per node ({n} process{'es' if n > 1 else ''}): host memory {format_bytes(node_ram)} of "
+               f"{format_bytes(hw.host_memory)}, "
+               f"disk {format_bytes(n * worst[NVME])} of {format_bytes(hw.nvme_free)}")
+    z = ev.config["zero_optimization"]
+    out += ["", "recommendation:",
+            f"  offload: {ev.option.offload}; micro-batch {ev.option.micro_batch_size} (requested "
+            f"{r.micro_batch_size}); recompute: {'full' if ev.option.recompute else 'none'}",
+            f"  prefetch_cache_sub_group_rate {z['prefetch_cache_sub_group_rate']}, max_contigous_params_size "
+            f"{z['max_contigous_params_size']}, sub_group_size {z['sub_group_size']}, allgather_bucket_size "
+            f"{z['allgather_bucket_size']}, stage3_prefetch_bucket_size {z['stage3_prefetch_bucket_size']}, "
+            f"stage3_max_live_parameters {z['stage3_max_live_parameters']}"]
+    if p.largest_layers is not None and p.fits:
+        out.append(f"  the largest of this family that fits: --num-layers {p.largest_layers} "
+                   f"({_params(p.largest_parameters)} parameters)")
+    out += ["", summary(p)]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        request, args = request_from_args(argv)
+        if args.largest:
+            layers = largest_layers(request)
+            if layers:
+                request = with_layers(request, layers)
+        result = plan(request, layers if args.largest else None)
+    except (ValueError, RuntimeError) as e:
+        print(f"plan_memory.py: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if result.fits:
+        if args.write_ds_config:
+            with open(args.write_ds_config, "w", encoding="utf-8") as f:
+                json.dump(result.chosen.config, f, indent=2)
+                f.write("\n")
+        if args.write_args:
+            with open(args.write_args, "w", encoding="utf-8") as f:
+                f.write("\n".join(megatron_args(result)) + "\n")
+    print(json.dumps(to_json(result), indent=2) if args.json else table(result))
+    return EXIT_FITS if result.fits else EXIT_DOES_NOT_FIT

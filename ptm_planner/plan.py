@@ -1,0 +1,636 @@
+"""The memory planner's model: does a GPT fit this hardware under zero_cache ZeRO-3, where does every state
+live, and which configuration is the fastest that fits (the command line is ptm_planner.cli).
+
+The model states come from the engine's own code, not from formulas: the model is built on the meta
+device (no memory) as the trainer builds it, posing as one rank of each distinct pipeline stage, and its
+parameters go through ``zero_cache.partition.plan_chunks`` / ``plan_sub_groups`` and
+``zero_cache.placement.place_states`` with the config and budgets the planner writes, so the bytes per
+tier are what ``engine.memory_report()`` reports. Memory that is not model state is estimated: gathered
+parameters, gradient reduce buffers, activations (Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models"), the loss's logits and a per-process runtime overhead.
+
+Choice, fastest first: offload none; optimizer and parameters in host memory; the same with what the host
+cannot hold spilled to SSD; everything on SSD. Within each: one transformer layer per chunk, then one
+matrix per chunk (less gathered memory); the requested micro-batch, then full recompute, then halved
+micro-batches; the largest sub_group_size whose SSD staging fits; and the largest
+prefetch_cache_sub_group_rate (share of optimizer sub-groups kept on the device) that fits. The first
+option that fits wins.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron.core.transformer_config import TransformerConfig
+from ptm_planner.sizes import SIZES
+from ptm_planner.stages import Mesh, StageModel, build_stage, representative_stages
+from zero_cache.aio import HEADER_BYTES, round_up
+from zero_cache.config import ZeroCacheConfig, ZeroConfigError, parse_config
+from zero_cache.param_arena import region_numel
+from zero_cache.partition import ChunkPlan, plan_chunks, plan_sub_groups
+from zero_cache.placement import place_states
+from zero_cache.store import DEVICE, HOST, NVME, TIERS
+
+GiB = 2**30
+# Shares of each resource a plan may fill: the engine's own defaults for its budgets
+# (zero_cache.placement.machine_budgets): 90% of accelerator memory, 90% of host memory (split evenly
+# between the processes of a node), 95% of the free disk under nvme_path.
+DEVICE_SHARE, HOST_SHARE, NVME_SHARE = 0.9, 0.9, 0.95
+DEFAULT_VOCAB_SIZE = 50257  # GPT-2's tokenizer
+OFFLOADS = ("none", "cpu", "cpu+nvme", "nvme")  # fastest first
+# sub_group_size candidates (shard elements), largest (fewest, biggest SSD transfers) first.
+SUB_GROUP_SIZES = tuple(int(m * 10**e) for e in range(9, 2, -1) for m in (1, 0.5, 0.2))
+RATE_STEPS = 100  # prefetch_cache_sub_group_rate is chosen in steps of 1/RATE_STEPS
+
+
+@dataclass(frozen=True)
+class RuntimeOverhead:
+    """Per-process memory that is neither model state nor activations (interpreter, libraries, allocator)."""
+    host: int
+    device: int
+
+
+# CPU: pretrain_gpt.py peaks at 0.32 GiB RSS on a 60k-parameter model here (torch 2.13, gloo, with and
+# without --deepspeed); 0.5 GiB leaves room for data-loader buffers and allocator slack.
+CPU_OVERHEAD = RuntimeOverhead(host=GiB // 2, device=0)
+# CUDA (not measured on this machine): the CUDA context and caching-allocator slack on the device, the
+# CUDA libraries mapped into every process on the host.
+CUDA_OVERHEAD = RuntimeOverhead(host=2 * GiB, device=GiB)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    device: str  # "cpu" or "cuda"
+    device_memory: int  # bytes per accelerator (cuda); on cpu the device tier is host memory
+    host_memory: int  # bytes per node
+    nvme_path: str
+    nvme_free: int  # bytes free under nvme_path, per node
+    cpus: int  # per node
+    detected: tuple[str, ...] = ()  # which of the above were measured on this machine
+
+    @property
+    def overhead(self) -> RuntimeOverhead:
+        return CUDA_OVERHEAD if self.device == "cuda" else CPU_OVERHEAD
+
+
+@dataclass(frozen=True)
+class Request:
+    model: TransformerConfig  # precision = compute precision; recompute_granularity "full" = forced
+    mesh: Mesh
+    hardware: Hardware
+    micro_batch_size: int  # requested; the plan may lower it
+    offloads: tuple[str, ...] = OFFLOADS  # allowed offload modes, fastest first
+    make_vocab_size_divisible_by: int = 128
+    size_name: str | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.params_dtype
+
+    @property
+    def recompute_forced(self) -> bool:
+        return self.model.recompute_granularity == "full"
+
+
+# ---- the zero_cache config ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Option:
+    """One candidate configuration."""
+    offload: str
+    page: int  # allgather_bucket_size (elements per chunk); prefetch and live limits follow from it
+    micro_batch_size: int
+    recompute: bool
+    sub_group_size: int
+    rate: float = 0.0  # prefetch_cache_sub_group_rate
+
+    @property
+    def max_live(self) -> int:
+        return 3 * self.page  # the chunk in use, the one prefetched and one kept for reuse
+
+
+def persistence_threshold(model_cfg: TransformerConfig) -> int:
+    """DeepSpeed's recommendation, 10 x hidden size: biases and norms stay whole on every rank."""
+    return 10 * model_cfg.hidden_size
+
+
+def arena_numel(partitioned: list[int], element_size: int) -> int:
+    """max_contigous_params_size: room for the chunk in use and the next one prefetched (two of the largest),
+    or for every partitioned chunk when they take less."""
+    regions = [region_numel(n, element_size) for n in partitioned]
+    return min(2 * max(regions, default=0), sum(regions))
+
+
+def ds_config(request: Request, option: Option, arena: int, budgets: dict[str, int] | None) -> dict:
+    """The DeepSpeed-style JSON for the trainer (batch sizes and optimizer come from the Megatron flags)."""
+    hw = request.hardware
+    cuda = hw.device == "cuda"
+    zero = {
+        "stage": 3,
+        "allgather_bucket_size": option.page,
+        "sub_group_size": option.sub_group_size,
+        "stage3_prefetch_bucket_size": option.page,  # the next chunk is gathered while this one computes
+        "stage3_max_live_parameters": option.max_live,
+        "stage3_max_reuse_distance": option.page,
+        "stage3_param_persistence_threshold": persistence_threshold(request.model),
+        "pipeline_optimizer": True,
+        "prefetch_cache_sub_group_rate": option.rate,
+        "max_contigous_params_size": arena or -1,
+        "max_param_reduce_events": 1,
+        "is_communication_time_profiling": False,
+        "save_large_model_multi_slice": True,
+    }
+    if option.offload != "none":  # "cpu+nvme": host memory, the sub-groups beyond the host budget on SSD
+        device = "nvme" if option.offload == "nvme" else "cpu"
+        for key in ("offload_optimizer", "offload_param"):
+            zero[key] = {"device": device, "nvme_path": hw.nvme_path, "pin_memory": cuda}
+    if budgets is not None:
+        zero["memory_budget"] = dict(budgets)
+    threads = max(1, min(4, hw.cpus // request.mesh.nproc_per_node))
+    return {
+        "bf16": {"enabled": request.dtype == torch.bfloat16},
+        "fp16": {"enabled": request.dtype == torch.float16},
+        "steps_per_print": 10,
+        "zero_optimization": zero,
+        "aio": {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": threads},
+    }
+
+
+# ---- model states: the engine's placement code -------------------------------------------------------
+@dataclass
+class StateAccount:
+    """Bytes of model state one rank allocates, per (kind, tier), as engine.memory_report() counts them."""
+    by_kind_tier: dict[tuple[str, str], int]
+    staging: int  # host bytes reserved for SSD staging buffers (optimizer pipeline + parameter reads)
+    nvme_disk: int  # disk bytes of the page files (4 KiB header + payload rounded up to 4 KiB)
+    opt_tiers: list[str]  # optimizer tier of every chunk
+    sub_groups: int
+    cached_sub_groups: int  # sub-groups whose optimizer states stay on the device
+
+    @property
+    def by_tier(self) -> dict[str, int]:
+        out = dict.fromkeys(TIERS, 0)
+        for (_, tier), n in self.by_kind_tier.items():
+            out[tier] += n
+        return out
+
+
+def account_states(plans: list[ChunkPlan], sub_groups: list[list[int]], cfg: ZeroCacheConfig, dtype: torch.dtype,
+                   device: torch.device, host_budget: int) -> StateAccount:
+    """Place every shard as ZeroEngine.__init__ does (``place_states``); ``host_budget`` decides what spills
+    to SSD. Raises zero_cache.ZeroConfigError when the host cannot hold what must stay there."""
+    unlimited = sys.maxsize
+    placed = place_states(plans, sub_groups, cfg, dtype, device,
+                          {DEVICE: unlimited, HOST: host_budget, NVME: unlimited})
+    by_kind_tier: dict[tuple[str, str], int] = {}
+    disk = 0
+    for layout in placed.layouts:
+        for s in layout:
+            by_kind_tier[(s.kind, s.tier)] = by_kind_tier.get((s.kind, s.tier), 0) + s.nbytes
+            if s.tier == NVME:
+                disk += HEADER_BYTES + round_up(s.nbytes)
+    cached = sum(1 for sg in sub_groups if placed.opt_tiers[sg[0]] == DEVICE)
+    return StateAccount(by_kind_tier, placed.staging, disk, placed.opt_tiers, len(sub_groups), cached)
+
+
+# ---- memory that is not model state ------------------------------------------------------------------
+@dataclass(frozen=True)
+class NonState:
+    gathered: int  # stage-3 parameters gathered for compute (compute dtype)
+    reduce_buffers: int  # gradient chunks being reduce-scattered (compute dtype)
+    activations: int  # with the chosen recompute setting
+    activations_full: int  # without recompute
+    activations_recompute: int  # with full recompute
+    logits: int
+    overhead_device: int
+    overhead_host: int
+
+    @property
+    def device_side(self) -> int:
+        return (self.gathered + self.reduce_buffers + self.activations + self.logits
+                + self.overhead_device)
+
+
+def activation_bytes(cfg: TransformerConfig, micro_batch: int, tp: int, layers: int, in_flight: int,
+                     recompute: bool) -> int:
+    """Activations one rank keeps for backward (Korthikanti et al. 2022, without sequence parallelism).
+
+    Per layer, 16-bit: s*b*h*(10 + (8 + 4*f/h*m)/t) + 5*a*s^2*b/t bytes (m = 2 with SwiGLU), which is
+    s*b*h*(34 + 5*a*s/h) for f = 4h, t = 1; fp32 doubles it. With full recompute only each recompute
+    block's input (s*b*h elements) stays, plus one block's working set while it is recomputed. A 1F1B
+    pipeline stage holds ``in_flight`` micro-batches.
+    """
+    s, b, h, a = cfg.seq_length, micro_batch, cfg.hidden_size, cfg.num_attention_heads
+    mlp = 4 * cfg.ffn_hidden_size / h * (2 if cfg.swiglu else 1)
+    per_layer = s * b * h * (10 + (8 + mlp) / tp) + 5 * a * s * s * b / tp
+    elem = cfg.params_dtype.itemsize
+    per_layer *= elem / 2
+    if not recompute:
+        return int(in_flight * layers * per_layer)
+    k = min(cfg.recompute_num_layers, layers) if layers else 0
+    blocks = -(-layers // k) if k else 0
+    return int(in_flight * blocks * s * b * h * elem + k * per_layer)
+
+
+def non_state(request: Request, stage: StageModel, plans: list[ChunkPlan], option: Option, arena: int) -> NonState:
+    cfg, mesh = request.model, request.mesh
+    elem = request.dtype.itemsize
+    largest = max((c.padded for c in plans), default=0)
+    # Gathered chunks are carved from the arena (max_contigous_params_size), allocated whole at start-up.
+    gathered = arena * elem
+    # max_param_reduce_events reductions in flight, one chunk accumulating, one parameter's gradient.
+    reduce = min(sum(c.padded for c in plans), 3 * largest) * elem
+    in_flight = mesh.pp - stage.stage
+    mb = option.micro_batch_size
+    acts = {rc: activation_bytes(cfg, mb, mesh.tp, stage.num_layers, in_flight, rc) for rc in (False, True)}
+    last = stage.stage == mesh.pp - 1
+    # The loss (megatron/core/tensor_parallel/cross_entropy.py) holds the logits, their fp32 copy shifted by
+    # the max and its exp at once: 12 bytes per logit in fp32 (one copy is the logits), 14 in 16-bit.
+    per_logit = 12 if elem == 4 else 12 + elem
+    logits = cfg.seq_length * mb * (cfg.padded_vocab_size // mesh.tp) * per_logit if last else 0
+    ov = request.hardware.overhead
+    return NonState(gathered, reduce, acts[option.recompute], acts[False], acts[True], logits, ov.device, ov.host)
+
+
+# ---- one candidate, all stages -----------------------------------------------------------------------
+@dataclass
+class StagePlan:
+    stage: int
+    numel: int
+    states: StateAccount
+    nonstate: NonState
+
+    def need(self) -> dict[str, int]:
+        """Bytes this rank needs per tier: states, and the non-state memory of the tier it lives in."""
+        st = self.states.by_tier
+        return {DEVICE: st[DEVICE] + self.nonstate.device_side,
+                HOST: st[HOST] + self.states.staging + self.nonstate.overhead_host,
+                NVME: self.states.nvme_disk}
+
+
+@dataclass
+class Evaluation:
+    option: Option
+    stages: list[StagePlan]
+    budgets: dict[str, int]  # per-rank engine budgets (memory_budget) for model states
+    capacity: dict[str, int]  # per process: device, host, nvme (cpu: "ram" holds the device and host tiers)
+    need: dict[str, int]  # per process, same keys: the largest need of any pipeline stage
+    failures: list[str] = field(default_factory=list)
+    config: dict = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        return not self.failures
+
+
+class Planner:
+    """Plans one request; stage models, chunk plans and sub-groups are built once."""
+
+    def __init__(self, request: Request):
+        self.request = request
+        self.device = torch.device(request.hardware.device)
+        self.cpu = request.hardware.device == "cpu"
+        self.stages = [build_stage(request.model, request.mesh, s) for s in representative_stages(request.mesh.pp)]
+        # Page sizes, largest first: one transformer layer per chunk, else one matrix (least gathered memory).
+        self.pages = sorted({max(s.layer_weights for s in self.stages), max(s.layer_matrix for s in self.stages)},
+                            reverse=True)
+        self._plans: dict[int, list[list[ChunkPlan]]] = {}
+        self._sub_groups: dict[tuple[int, int, int], list[list[int]]] = {}
+        self._unbudgeted: dict[tuple, list[StateAccount]] = {}  # placements without a host budget
+        self._evaluations: dict[tuple[Option, bool], Evaluation] = {}
+
+    def plans(self, page: int) -> list[list[ChunkPlan]]:
+        """Every stage's chunks, packed by the engine's own code."""
+        if page not in self._plans:
+            mesh = self.request.mesh
+            self._plans[page] = [plan_chunks(s.named, s.group_of, stage=3, page_numel=page, dp_size=mesh.dp,
+                                             persistence_threshold=persistence_threshold(self.request.model),
+                                             isolated=s.isolated) for s in self.stages]
+        return self._plans[page]
+
+    def sub_groups(self, page: int, i: int, size: int) -> list[list[int]]:
+        key = (page, i, size)
+        if key not in self._sub_groups:
+            self._sub_groups[key] = plan_sub_groups(self.plans(page)[i], size)
+        return self._sub_groups[key]
+
+    def arena(self, page: int) -> int:
+        """One arena size for every rank: the largest any pipeline stage needs."""
+        elem = self.request.dtype.itemsize
+        return max(arena_numel([c.padded for c in plans if not c.resident], elem) for plans in self.plans(page))
+
+    def sub_group_sizes(self, page: int, offload: str = "none") -> list[int]:
+        """Candidates, largest first: from about 10 sub-groups per stage down to one chunk each. With states
+        on SSD, only sizes whose three sub-groups in flight (pipeline_optimizer; at most 16 bytes per
+        element: master, Adam moments, gradient) take at most a quarter of the host memory per process."""
+        plans = self.plans(page)
+        total = max(sum(c.shard for c in p) for p in plans)
+        one_chunk = max(c.shard for p in plans for c in p)
+        top = max(total // 10, one_chunk)
+        sizes = [s for s in SUB_GROUP_SIZES if one_chunk < s <= top] + [one_chunk]
+        if offload in ("cpu+nvme", "nvme"):
+            cap = self.capacity()
+            host = cap["ram"] if self.cpu else cap[HOST]
+            sizes = [s for s in sizes if 3 * 16 * s <= host // 4] or sizes[-1:]
+        return sizes
+
+    def capacity(self) -> dict[str, int]:
+        """What one process may use: its share of the node's host memory and disk, and its accelerator."""
+        hw, n = self.request.hardware, self.request.mesh.nproc_per_node
+        host = int(HOST_SHARE * hw.host_memory / n)
+        nvme = int(NVME_SHARE * hw.nvme_free / n)
+        if self.cpu:
+            return {"ram": host, NVME: nvme}
+        return {DEVICE: int(DEVICE_SHARE * hw.device_memory), HOST: host, NVME: nvme}
+
+    def parse(self, option: Option, budgets: dict[str, int] | None) -> tuple[dict, ZeroCacheConfig]:
+        raw = ds_config(self.request, option, self.arena(option.page), budgets)
+        return raw, parse_config(raw, self.request.mesh.dp)
+
+    def evaluate(self, option: Option, *, ignore_capacity: bool = False) -> Evaluation:
+        key = (option, ignore_capacity)
+        if key not in self._evaluations:
+            self._evaluations[key] = self._evaluate(option, ignore_capacity)
+        return self._evaluations[key]
+
+    def _evaluate(self, option: Option, ignore_capacity: bool) -> Evaluation:
+        """Place every stage's states for ``option`` and check them, with the non-state memory, against the
+        per-process capacity. The engine takes one set of budgets for all ranks, so the check is on the
+        largest need of any stage per tier."""
+        cap = self.capacity()
+        if ignore_capacity:
+            cap = dict.fromkeys(cap, sys.maxsize // 4)
+        _, cfg = self.parse(option, None)
+        plans = self.plans(option.page)
+        nonstate = [non_state(self.request, s, p, option, self.arena(option.page)) for s, p in zip(self.stages, plans)]
+        sgs = [self.sub_groups(option.page, i, option.sub_group_size) for i in range(len(self.stages))]
+        dtype = self.request.dtype
+        # The device-tier states do not depend on the host budget (what spills goes from the host to SSD).
+        key = (option.offload, option.page, option.sub_group_size, option.rate)
+        if key not in self._unbudgeted:
+            self._unbudgeted[key] = [account_states(p, sg, cfg, dtype, self.device, sys.maxsize)
+                                     for p, sg in zip(plans, sgs)]
+        accounts = self._unbudgeted[key]
+        dev_states = max(a.by_tier[DEVICE] for a in accounts)
+        host_overhead = max(ns.overhead_host for ns in nonstate)
+        if self.cpu:  # one pool of host memory holds both tiers and everything else
+            ram_left = cap["ram"] - max(ns.device_side for ns in nonstate) - host_overhead
+            budgets = {DEVICE: ram_left, HOST: ram_left - dev_states, NVME: cap[NVME]}
+        else:
+            budgets = {DEVICE: cap[DEVICE] - max(ns.device_side for ns in nonstate),
+                       HOST: cap[HOST] - host_overhead, NVME: cap[NVME]}
+        failures: list[str] = []
+        if option.offload in ("cpu+nvme", "nvme"):  # beyond the host budget, states spill to SSD
+            try:
+                accounts = [account_states(p, sg, cfg, dtype, self.device, max(budgets[HOST], 0))
+                            for p, sg in zip(plans, sgs)]
+            except ZeroConfigError:
+                failures.append(f"host memory: the states that must stay on the host exceed "
+                                f"{format_bytes(max(budgets[HOST], 0))} per process even with every optimizer "
+                                f"sub-group and gradient shard the engine can move on SSD")
+        stages = [StagePlan(s.stage, s.numel, a, ns) for s, a, ns in zip(self.stages, accounts, nonstate)]
+        host_states = max(a.by_tier[HOST] + a.staging for a in accounts)
+        disk = max(a.nvme_disk for a in accounts)
+        if self.cpu:
+            budgets[DEVICE] -= host_states
+            need = {"ram": dev_states + host_states + cap["ram"] - ram_left, NVME: disk}
+        else:
+            need = {DEVICE: dev_states + cap[DEVICE] - budgets[DEVICE], HOST: host_states + host_overhead, NVME: disk}
+        hw, n = self.request.hardware, self.request.mesh.nproc_per_node
+        whole = {"ram": ("host memory", HOST_SHARE, hw.host_memory, n),
+                 HOST: ("host memory", HOST_SHARE, hw.host_memory, n),
+                 DEVICE: ("accelerator memory", DEVICE_SHARE, hw.device_memory, 1),
+                 NVME: (f"disk under {hw.nvme_path}", NVME_SHARE, hw.nvme_free, n)}
+        for resource, amount in need.items():
+            what, share, total, procs = whole[resource]
+            if amount > cap[resource] and not (failures and resource in ("ram", HOST)):
+                failures.append(f"{what}: {format_bytes(amount)} per process > {format_bytes(cap[resource])} "
+                                f"({share:.0%} of {format_bytes(total)}{f' / {procs} processes' if procs > 1 else ''})")
+        if option.offload == "cpu":
+            budgets[NVME] = 0  # host only: the engine refuses to spill rather than use the disk
+        ev = Evaluation(option, stages, budgets, cap, need, failures)
+        ev.config = self.parse(option, {k: max(0, v) for k, v in budgets.items()})[0]
+        return ev
+
+    def best_rate(self, option: Option) -> Evaluation:
+        """The largest prefetch_cache_sub_group_rate (share of sub-groups on the device) that fits."""
+        if option.offload == "none":
+            return self.evaluate(option)
+
+        def device_ok(step: int) -> tuple[bool, Evaluation]:
+            ev = self.evaluate(dataclasses.replace(option, rate=step / RATE_STEPS))
+            if self.cpu:
+                return ev.fits, ev
+            return ev.need[DEVICE] <= ev.capacity[DEVICE], ev
+
+        ok, ev = device_ok(RATE_STEPS)  # everything on the device
+        if ok:
+            return ev
+        ok, ev = device_ok(0)
+        if not ok or not device_ok(1)[0]:
+            return ev
+        lo, hi = 1, RATE_STEPS - 1  # device_ok(lo) holds; find the largest such step
+        best = device_ok(1)[1]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            ok, cand = device_ok(mid)
+            if ok:
+                lo, best = mid, cand
+            else:
+                hi = mid - 1
+        return best
+
+    def activation_options(self) -> list[tuple[int, bool]]:
+        mb = self.request.micro_batch_size
+        out = [] if self.request.recompute_forced else [(mb, False)]
+        while True:
+            out.append((mb, True))
+            if mb == 1:
+                return out
+            mb = max(1, mb // 2)
+
+    def search(self) -> Evaluation:
+        """The first option that fits, fastest first (offload, then page, activations, sub-group size);
+        when none fits, the leanest option's evaluation (its failures say what is missing)."""
+        for offload in self.request.offloads:
+            for page in self.pages:
+                sizes = self.sub_group_sizes(page, offload)
+                sizes = sizes[:1] if offload == "none" else sizes
+                if not self.best_rate(Option(offload, page, 1, True, sizes[-1])).fits:
+                    continue  # not even the leanest activations fit
+                for mb, rc in self.activation_options():
+                    for size in sizes:
+                        ev = self.best_rate(Option(offload, page, mb, rc, size))
+                        if ev.fits:
+                            return ev
+        return self.evaluate(self.leanest())
+
+    def leanest(self) -> Option:
+        """Least memory per process: states on SSD (if allowed), smallest pages and sub-groups, micro-batch 1,
+        recompute."""
+        offload = "nvme" if "nvme" in self.request.offloads else self.request.offloads[-1]
+        page = self.pages[-1]
+        return Option(offload, page, 1, True, self.sub_group_sizes(page)[-1])
+
+    def feasible(self) -> bool:
+        """Whether any allowed offload fits with the leanest pages and activations (on a CPU machine the
+        leanest rate is 0: a sub-group on the device is host memory too). Offloads are tried from the
+        leanest in memory; once one fails on memory rather than disk, the rest cannot fit either."""
+        lean = self.leanest()
+        for offload in reversed(self.request.offloads):
+            option = dataclasses.replace(lean, offload=offload)
+            ev = self.evaluate(option) if self.cpu else self.best_rate(option)
+            if ev.fits:
+                return True
+            if any(not f.startswith("disk") for f in ev.failures):
+                return False
+        return False
+
+    def on_hardware(self, hardware: Hardware) -> Planner:
+        """The same model and mesh on other hardware (stage models, chunks and placements are reused)."""
+        other = copy.copy(self)
+        other.request = dataclasses.replace(self.request, hardware=hardware)
+        other._evaluations = {}
+        return other
+
+    def requirements(self, option: Option) -> dict[str, int]:
+        """The least hardware per node (and per accelerator) on which ``option`` fits. With states on SSD
+        the engine spills to disk whatever the host cannot hold, so the host memory is searched (disk
+        unlimited) and the disk is what the plan needs with that host memory."""
+        hw, n = self.request.hardware, self.request.mesh.nproc_per_node
+        need = self.evaluate(option, ignore_capacity=True).need
+        device = 0 if self.cpu else math.ceil(need[DEVICE] / DEVICE_SHARE)
+        host = math.ceil(n * need["ram" if self.cpu else HOST] / HOST_SHARE) + n
+
+        def on(host_memory: int, nvme_free: int = 2**62) -> Planner:
+            return self.on_hardware(dataclasses.replace(hw, host_memory=host_memory, nvme_free=nvme_free,
+                                                        device_memory=device or hw.device_memory))
+
+        if option.offload in ("cpu+nvme", "nvme") and on(host).evaluate(option).fits:
+            lo, hi = 0, host  # on(hi) fits; stop within 1/256 of the answer
+            while hi - lo > hi // 256:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if on(mid).evaluate(option).fits else (mid, hi)
+            host = hi
+        disk = on(host).evaluate(option).need[NVME]
+        out = {"host_memory": host, "nvme_free": math.ceil(n * disk / NVME_SHARE) + n if disk else 0}
+        if not self.cpu:
+            out["device_memory"] = device
+        return out
+
+
+# ---- the plan -----------------------------------------------------------------------------------------
+@dataclass
+class Plan:
+    request: Request
+    fits: bool
+    chosen: Evaluation  # the chosen option (or the leanest one when nothing fits)
+    num_parameters: int
+    largest_layers: int | None = None  # largest num_layers of this family that fits (None: not computed)
+    largest_parameters: int | None = None
+    largest_size: str | None = None  # largest start.sh size that fits (computed when the request does not)
+    needs: dict[str, dict[str, int]] = field(default_factory=dict)  # option name -> hardware it needs
+
+
+def with_layers(request: Request, layers: int) -> Request:
+    return dataclasses.replace(request, model=dataclasses.replace(request.model, num_layers=layers))
+
+
+def largest_layers(request: Request) -> int:
+    """Largest num_layers (a multiple of the pipeline size) of the request's family that fits; 0 if none.
+
+    Needs grow about linearly with the layers: two secant steps on the leanest option's needs give a
+    first guess, and a galloping search from there finds the exact boundary.
+    """
+    step = request.mesh.pp
+
+    def fits(layers: int) -> bool:
+        return Planner(with_layers(request, layers)).feasible()
+
+    def lean_need(layers: int) -> dict[str, int]:
+        planner = Planner(with_layers(request, layers))
+        return planner.evaluate(planner.leanest()).need  # with the real budgets: what spills is on disk
+
+    def secant(a: int, b: int) -> int:
+        """Layers at which the first resource runs out, on the line through the needs at a and b layers."""
+        na, nb = needs.get(a) or lean_need(a), needs.get(b) or lean_need(b)
+        needs.update({a: na, b: nb})
+        out = [a + (cap[r] - na[r]) * (b - a) // (nb[r] - na[r]) for r in cap if nb[r] > na[r]]
+        return max(step, min(out, default=step) // step * step)
+
+    cap, needs = Planner(with_layers(request, step)).capacity(), {}
+    first = max(2 * step, request.model.num_layers)
+    guess = secant(step, first)
+    start = secant(first, guess) if guess != first else guess
+    if fits(start):
+        lo, d = start, step
+        while fits(lo + d):
+            lo, d = lo + d, 2 * d
+            if lo > 1 << 20:
+                raise ValueError("the planner found no memory limit below 1M layers; check the hardware figures")
+        hi = lo + d
+    else:
+        hi, d = start, step
+        while True:
+            cand = max(step, hi - d)
+            if fits(cand):
+                lo = cand
+                break
+            if cand == step:
+                return 0
+            hi, d = cand, 2 * d
+    while hi - lo > step:  # fits(lo) and not fits(hi)
+        mid = (lo + hi) // 2 // step * step
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def largest_size(request: Request) -> str | None:
+    """The largest size of the start.sh table that fits the request's mesh, sequence, vocabulary and precision."""
+    candidates = []
+    for size in SIZES:
+        try:
+            model = dataclasses.replace(request.model, num_layers=size.num_layers, hidden_size=size.hidden_size,
+                                        num_attention_heads=size.num_attention_heads,
+                                        ffn_hidden_size=size.ffn_hidden_size, kv_channels=None, num_query_groups=None)
+        except ValueError:
+            continue
+        if size.num_layers % request.mesh.pp == 0 and size.num_attention_heads % request.mesh.tp == 0:
+            candidates.append((model.num_parameters(), size.name, model))
+    for _, name, model in sorted(candidates, key=lambda c: c[0], reverse=True):
+        if Planner(dataclasses.replace(request, model=model)).feasible():
+            return name
+    return None
+
+
+def plan(request: Request, largest: int | None = None) -> Plan:
+    """Plan ``request``; when it does not fit, also find the largest of its family (``largest``: known)."""
+    planner = Planner(request)
+    chosen = planner.search()
+    result = Plan(request, chosen.fits, chosen, request.model.num_parameters())
+    if largest is not None or not chosen.fits:
+        layers = largest if largest is not None else largest_layers(request)
+        result.largest_layers = layers
+        result.largest_parameters = dataclasses.replace(request.model, num_layers=layers).num_parameters() \
+            if layers else 0
+    if not chosen.fits:
+        page = planner.pages[0]
+        fastest = Option("none", page, request.micro_batch_size, request.recompute_forced,
+                         planner.sub_group_sizes(page)[0])
+        result.largest_size = largest_size(request)
+        result.needs = {"no offload": planner.requirements(fastest),
+                        "states on SSD": planner.requirements(dataclasses.replace(planner.leanest(), offload="nvme"))}
+    return result
+
+
+# ---- bytes as text -----------------------------------------------------------------------------------
+def format_bytes(n: int) -> str:
+    """Bytes in GiB, or in MiB / KiB when smaller (tiny models)."""
+    for unit, size in (("GiB", GiB), ("MiB", 2**20)):
+        if abs(n) >= size / 10:
+            return f"{n / size:.2f} {unit}"
+    return f"{n / 2**10:.1f} KiB"

@@ -1,0 +1,84 @@
+"""The GPT sizes users pick from: ``examples/start.sh SIZE`` and ``tools/plan_memory.py --size SIZE``.
+
+One table, read by both (start.sh runs this module with any Python 3, before the project's environment
+exists, so it uses the standard library only):
+
+    python3 -m ptm_planner.sizes list          # the table
+    python3 -m ptm_planner.sizes row 1.3b      # "layers hidden heads ffn micro-batch" of one size
+    python3 -m ptm_planner.sizes seq-length    # the default sequence length of start.sh and the planner
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+# Sequence length used when none is given (start.sh's SEQ_LEN default and the planner's --seq-length).
+DEFAULT_SEQ_LENGTH = 256
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    micro_batch_size: int
+
+    def megatron_args(self) -> list[str]:
+        """The Megatron-LM model-shape flags of this size."""
+        return ["--num-layers", str(self.num_layers), "--hidden-size", str(self.hidden_size),
+                "--num-attention-heads", str(self.num_attention_heads), "--ffn-hidden-size", str(self.ffn_hidden_size)]
+
+
+# GPT-3 paper shapes (125m .. 13b) and the AngelPTM headline models (28 and 55 billion parameters).
+SIZES: tuple[ModelSize, ...] = (
+    ModelSize("default", 6, 256, 8, 1024, 4),
+    ModelSize("125m", 12, 768, 12, 3072, 8),
+    ModelSize("350m", 24, 1024, 16, 4096, 8),
+    ModelSize("760m", 24, 1536, 16, 6144, 4),
+    ModelSize("1.3b", 24, 2048, 16, 8192, 4),
+    ModelSize("2.7b", 32, 2560, 32, 10240, 2),
+    ModelSize("6.7b", 32, 4096, 32, 16384, 1),
+    ModelSize("13b", 40, 5120, 40, 20480, 1),
+    ModelSize("28", 26, 8192, 128, 32768, 38),
+    ModelSize("55", 68, 8192, 64, 32768, 10),
+)
+
+
+def get_size(name: str) -> ModelSize:
+    for size in SIZES:
+        if size.name == name:
+            return size
+    raise ValueError(f"unknown SIZE '{name}'; choose one of: {', '.join(s.name for s in SIZES)}")
+
+
+def table() -> str:
+    lines = ["sizes (layers hidden heads ffn micro-batch):"]
+    lines += [f"  {s.name:<9} {s.num_layers:<4} {s.hidden_size:<5} {s.num_attention_heads:<5} "
+              f"{s.ffn_hidden_size:<6} {s.micro_batch_size}" for s in SIZES]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == ["list"]:
+        print(table())
+        return 0
+    if argv == ["seq-length"]:
+        print(DEFAULT_SEQ_LENGTH)
+        return 0
+    if len(argv) == 2 and argv[0] == "row":
+        try:
+            s = get_size(argv[1])
+        except ValueError as e:
+            print(e, file=sys.stderr)
+            return 2
+        print(s.num_layers, s.hidden_size, s.num_attention_heads, s.ffn_hidden_size, s.micro_batch_size)
+        return 0
+    print("usage: python3 -m ptm_planner.sizes list | row SIZE | seq-length", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

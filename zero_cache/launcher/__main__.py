@@ -1,5 +1,0 @@
-import sys
-
-from zero_cache.launcher.runner import main
-
-sys.exit(main())
