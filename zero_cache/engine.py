@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -20,8 +21,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import checkpoint as ckpt
 from .builder import ParamInit, build_chunk
+from .checkpoint import distributed as dist_ckpt
+from .checkpoint import sharded
+from .checkpoint.interface import PARAM, StatePiece
 from .comm import Comm, CommProfiler, CommStepStats, group_all_reduce
 from .comm_theory import zero_step_theory
 from .config import ZeroCacheConfig, ZeroConfigError, parse_config
@@ -30,7 +33,7 @@ from .grad_reducer import GradReducer
 from .host_memory import return_large_frees_to_os
 from .loss_scaler import LossScaler
 from .optimizer import GroupHParams, ShardedAdam
-from .partition import FlatChunk, plan_chunks, plan_sub_groups
+from .partition import ChunkPlan, FlatChunk, plan_chunks, plan_sub_groups
 from .placement import machine_budgets, place_states
 from .ssd_store import SSDStore
 from .store import HOST, NVME, DeviceHostStore, MemoryReport, ShardStore
@@ -264,12 +267,9 @@ class ZeroEngine:
         """The last step's collectives next to the ZeRO theory (None unless is_communication_time_profiling)."""
         return self.profiler.last_step
 
-    def state_tensor(self, chunk: FlatChunk, name: str, lo: int = 0, hi: int | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-        """Elements [lo, hi) of chunk ``chunk``'s state ``name`` (param, master, exp_avg, exp_avg_sq).
-
-        Device/host tiers: a view of the live tensor, or a copy into ``out``. SSD: read into ``out`` (else a
-        new host tensor) in aligned pieces, never the whole shard at once."""
+    def _state(self, chunk: FlatChunk, name: str, lo: int, hi: int | None, out: torch.Tensor | None):
+        """Elements [lo, hi) of one stored tensor of a chunk (param, master, exp_avg, exp_avg_sq): a view in
+        memory (or a copy into ``out``); from SSD a read into ``out`` (else a new host tensor) in aligned pieces."""
         if name == "master" and chunk.master_in_param:
             name = "param"
         if name in chunk.swapped:
@@ -277,8 +277,7 @@ class ZeroEngine:
         t = (chunk.param_shard if name == "param" else getattr(chunk, name))[lo:hi]
         return t if out is None else out.copy_(t)
 
-    def set_state_tensor(self, chunk: FlatChunk, name: str, value: torch.Tensor, lo: int = 0) -> None:
-        """Copy ``value`` into elements [lo, lo + value.numel()) of the state, in its tier (done on return)."""
+    def _set_state(self, chunk: FlatChunk, name: str, value: torch.Tensor, lo: int) -> None:
         if name == "master" and chunk.master_in_param:
             name = "param"
         if name in chunk.swapped:
@@ -286,6 +285,24 @@ class ZeroEngine:
         else:
             (chunk.param_shard if name == "param" else getattr(chunk, name))[lo:lo + value.numel()].copy_(
                 value.reshape(-1))
+
+    def chunk_state(self, chunk: int, state: str, lo: int = 0, hi: int | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements [lo, hi) of this rank's shard of chunk ``chunk``: ``state`` is ``param`` (fp32 values, the
+        optimizer's master copy), ``exp_avg`` or ``exp_avg_sq``. A view where the state is in memory (or a copy
+        into ``out``); read from SSD into ``out`` (else a new host tensor) in aligned pieces, never whole."""
+        return self._state(self.chunks[chunk], "master" if state == PARAM else state, lo, hi, out)
+
+    def set_chunk_state(self, chunk: int, state: str, values: torch.Tensor, lo: int = 0) -> None:
+        """Copy ``values`` into elements [lo, lo + values.numel()) of a state, in its tier (done on return);
+        ``param`` also updates the compute copy (bf16/fp16, or the device copy of an offloaded master)."""
+        c = self.chunks[chunk]
+        if state != PARAM:
+            self._set_state(c, state, values, lo)
+            return
+        self._set_state(c, "master", values, lo)
+        if not c.master_is_param():
+            self._set_state(c, "param", values, lo)
 
     def publish_update(self) -> None:
         """Lock-free update: wait for the background update and copy its parameters in (no-op otherwise)."""
@@ -320,7 +337,7 @@ class ZeroEngine:
         out: dict[str, torch.Tensor] = {}
         for c in self.chunks:
             full = torch.empty(c.plan.padded, dtype=torch.float32, device=self.device)
-            self.comm.all_gather(full, self.state_tensor(c, "master").to(self.device), tag=f"export{c.index}")
+            self.comm.all_gather(full, self._state(c, "master", 0, None, None).to(self.device), tag=f"export{c.index}")
             if keep:
                 for s in c.plan.slots:
                     t = full[s.offset:s.offset + s.numel].view(s.shape).cpu().clone()
@@ -336,17 +353,117 @@ class ZeroEngine:
         return out
 
     # ---- checkpoints ------------------------------------------------------------------------------------
-    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
-        """Each rank writes its own shards; ``latest`` is written last. Returns the tag directory."""
-        self.publish_update()
-        return ckpt.save(self, save_dir, tag or f"global_step{self.global_steps}", client_state or {})
+    # The engine is a ``zero_cache.checkpoint.interface.StateSource``: the checkpoint code reads and writes
+    # states only through the methods below.
+    def state_pieces(self) -> list[StatePiece]:
+        """This rank's shard of every chunk, as flat ranges of the parameters it covers."""
+        return [StatePiece(g.slot.name, g.slot.shape, g.param_lo, g.param_lo + g.shard_hi - g.shard_lo,
+                           (c.index, g.shard_lo - g.param_lo)) for c in self.chunks for g in c.segments]
 
-    def load_checkpoint(self, load_dir: str, tag: str | None = None,
-                        load_optimizer_states: bool = True) -> tuple[str, dict]:
-        """Restore this rank's shards; returns (tag directory, client_state)."""
+    def read_state(self, piece: StatePiece, state: str, lo: int, hi: int) -> torch.Tensor:
+        chunk, shift = piece.handle
+        return self.chunk_state(chunk, state, lo + shift, hi + shift)
+
+    def write_state(self, piece: StatePiece, state: str, lo: int, values: torch.Tensor) -> None:
+        chunk, shift = piece.handle
+        self.set_chunk_state(chunk, state, values, lo + shift)
+
+    def replicated_tensors(self) -> dict[str, torch.Tensor]:
+        managed = {id(s.param) for c in self.chunks for s in c.plan.slots}
+        persistent = self.module.state_dict(keep_vars=True)
+        return {n: t for n, t in persistent.items() if id(t) not in managed}
+
+    def training_state(self) -> dict:
+        steps = {float(c.step) for c in self.chunks}
+        if len(steps) != 1:
+            raise RuntimeError(f"zero_cache: the chunks disagree on Adam's step count ({sorted(steps)})")
+        return {"optimizer_step": int(steps.pop()), "loss_scaler": self.scaler.common_state(),
+                "lr": self.optimizer.lr}
+
+    def load_training_state(self, state: dict, load_optimizer: bool) -> None:
+        if not load_optimizer:
+            return
+        for c in self.chunks:
+            c.step.fill_(float(state["optimizer_step"]))
+        self.global_steps = int(state["optimizer_step"])  # successful steps: the same count
+        self.scaler.load_common_state(state.get("loss_scaler"))
+        if state.get("lr") is not None:
+            self.optimizer.lr = float(state["lr"])
+
+    # The per-rank layout (checkpoint/sharded.py) works on chunks: interface.ShardedStateSource.
+    @property
+    def dp_size(self) -> int:
+        return self.comm.size
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.dtype
+
+    @property
+    def transfer_pool(self):
+        """Accounted host buffers that checkpoint slices and SSD pieces move through."""
+        return self.store.transfer_pool
+
+    def chunk_plans(self) -> list[ChunkPlan]:
+        return [c.plan for c in self.chunks]
+
+    def param_aliases(self) -> dict[str, list[str]]:
+        """Every name (tied ones too) of each managed parameter, by the name its chunk slot has."""
+        aliases = _param_aliases(self.module)
+        return {s.name: aliases[id(s.param)] for c in self.chunks for s in c.plan.slots}
+
+    def slice_numel(self) -> int | None:
+        """Elements per checkpoint slice (``save_large_model_slice_size``); None without multi-slice saving."""
+        z = self.config.zero_optimization
+        return z.save_large_model_slice_size if z.save_large_model_multi_slice else None
+
+    def states_loaded(self) -> None:
+        self.params_changed()
+
+    def prepare_checkpoint(self) -> None:
+        """Before states are saved or loaded: a pending lock-free update is applied and SSD states read ahead
+        of a step are handed back (a load replaces them)."""
         self.publish_update()
-        self.optimizer.drop_read_ahead()  # states read ahead of a step are about to be replaced
-        return ckpt.load(self, load_dir, tag, load_optimizer_states)
+        self.optimizer.drop_read_ahead()
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None, *,
+                        layout=dist_ckpt.whole, group=None) -> str:
+        """Write the distributed checkpoint ``save_dir/tag`` (default ``global_step<N>``), then ``latest``.
+
+        Collective over ``group`` (default: every rank). ``layout(name, shape)`` places each parameter in its
+        global tensor (default: as it is; a tensor-parallel model passes its slices). Returns the directory."""
+        self.prepare_checkpoint()
+        tag = tag or f"global_step{self.global_steps}"
+        path = os.path.join(save_dir, tag)
+        objects = {"client_state": client_state or {}, "param_aliases": self.param_aliases()}
+        dist_ckpt.save(path, self, layout=layout, objects=objects, group=group,
+                       slice_numel=self.slice_numel() or dist_ckpt.UNSLICED)
+        if _group_rank(group) == 0:
+            sharded.write_latest(save_dir, tag)
+        if dist.is_initialized():
+            dist.barrier(group=group)
+        return path
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True, *,
+                        layout=dist_ckpt.whole, group=None) -> tuple[str, dict]:
+        """Restore ``load_dir/tag`` (default: the tag ``latest`` names) into this engine, whatever mesh and
+        placement wrote it; returns (directory, client_state). A checkpoint in the per-rank layout of
+        ``save_sharded_checkpoint`` loads into the same data-parallel size and chunk layout only."""
+        tag = tag or sharded.latest_tag(load_dir)
+        path = os.path.join(load_dir, tag)
+        self.prepare_checkpoint()
+        if sharded.is_sharded_checkpoint(path):
+            return sharded.load(self, load_dir, tag, load_optimizer_states)
+        objects = dist_ckpt.load(path, self, layout=layout, objects=["client_state"],
+                                 optimizer=load_optimizer_states, group=group,
+                                 slice_numel=self.slice_numel() or dist_ckpt.UNSLICED)
+        return path, objects["client_state"]
+
+    def save_sharded_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
+        """DeepSpeed's per-rank layout (``zero_pp_rank_*`` files, see checkpoint/sharded.py): every rank writes
+        its own shards; it loads back only into the same data-parallel size and chunk layout."""
+        self.prepare_checkpoint()
+        return sharded.save(self, save_dir, tag or f"global_step{self.global_steps}", client_state or {})
 
     @property
     def dp_rank(self) -> int:
@@ -360,6 +477,10 @@ class ZeroEngine:
 
 def _global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _group_rank(group) -> int:
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
 def _param_groups(managed, param_groups, default_wd) -> tuple[list[GroupHParams], dict[int, int]]:

@@ -45,3 +45,19 @@ class LossScaler:
         self.scale = float(sd["scale"])
         self.hysteresis_left = int(sd["hysteresis_left"])
         self.clean_steps = int(sd["clean_steps"])
+
+    # Checkpoints store a dynamic scaler in Megatron's terms, so either trainer backend resumes it:
+    # growth_tracker = clean steps since the last growth, hysteresis_tracker = overflows left before a halving.
+    def common_state(self) -> dict | None:
+        """None unless the scale is dynamic."""
+        if not self.dynamic:
+            return None
+        return {"scale": self.scale, "growth_tracker": self.clean_steps % self.window,
+                "hysteresis_tracker": self.hysteresis_left}
+
+    def load_common_state(self, state: dict | None) -> None:
+        if not self.dynamic or state is None:
+            return
+        self.scale = float(state["scale"])
+        self.clean_steps = int(state["growth_tracker"])
+        self.hysteresis_left = max(1, int(state["hysteresis_tracker"]))

@@ -125,7 +125,7 @@ class ZeroBackend:
         """Each rank writes its own shards (no full model anywhere) under ``global_step<N>``, then the trackers."""
         client = {"iteration": iteration, "consumed_samples": consumed_samples, "args": to_plain(dict(args), "args"),
                   "opt_param_scheduler": scheduler.state_dict(), "rng_state": to_plain(get_rng_state(rng_tracker))}
-        self.model.save_checkpoint(cfg.save, tag=f"global_step{iteration}", client_state=client)
+        self.model.save_sharded_checkpoint(cfg.save, tag=f"global_step{iteration}", client_state=client)
         if torch.distributed.get_rank() == 0:  # Megatron's tracker too, so tools find the iteration
             write_tracker(cfg.save, iteration)
         torch.distributed.barrier()

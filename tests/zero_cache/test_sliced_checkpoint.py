@@ -13,12 +13,10 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-import zero_cache
 from tests.dist_utils import run_distributed
 from tests.memory_utils import PeakRSS
+from tests.zero_cache.ssd_common import BLOCK, HOST_BUDGET, SLICE, ssd_data, ssd_engine, ssd_train
 from zero_cache import aio
 from zero_cache.checkpoint import CheckpointError
 from zero_cache.checkpoint import slices as slices_module
@@ -28,56 +26,6 @@ from zero_cache.ssd_store import SSDStore
 from zero_cache.store import DeviceHostStore
 
 DP = 2
-WIDTH, VOCAB, SEQ, BATCH = 256, 64, 8, 8
-SLICE = 32_768  # save_large_model_slice_size: elements of each state per slice file (128 KiB fp32)
-BLOCK = 65_536  # aio.block_size: the SSD piece that range reads and writes stage through
-HOST_BUDGET = 3_400_000  # bytes: gradient shards + SSD staging fit, the rank's states do not (several times)
-
-
-class Deep(nn.Module):
-    """Residual stack of square layers: many equal shards, biases small enough to stay resident."""
-
-    def __init__(self, depth: int):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(depth))
-        self.head = nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, tokens):
-        x = self.embed(tokens[:, :-1])
-        for layer in self.layers:
-            x = x + torch.tanh(layer(x))
-        return F.cross_entropy(self.head(x).reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
-
-
-def _config(nvme: str, **zero) -> dict:
-    z = {"stage": 3, "allgather_bucket_size": 70_000, "sub_group_size": 40_000, "pipeline_optimizer": False,
-         "stage3_param_persistence_threshold": 300, "stage3_prefetch_bucket_size": 0,
-         "offload_optimizer": {"device": "nvme", "nvme_path": nvme},
-         "offload_param": {"device": "nvme", "nvme_path": nvme},
-         "memory_budget": {"host": HOST_BUDGET}, "save_large_model_slice_size": SLICE, **zero}
-    return {"train_batch_size": BATCH, "gradient_clipping": 1.0, "aio": {"block_size": BLOCK},
-            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}}, "zero_optimization": z}
-
-
-def _engine(nvme: str, seed: int, depth: int = 16, **zero):
-    torch.manual_seed(seed)
-    return zero_cache.initialize(model=Deep(depth), config=_config(nvme, **zero))
-
-
-def _data(steps: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (steps, BATCH, SEQ + 1), generator=torch.Generator().manual_seed(7))
-
-
-def _train(engine, data, rank: int, dp: int, steps) -> list[float]:
-    losses = []
-    per = BATCH // dp
-    for s in steps:
-        loss = engine(data[s][rank * per:(rank + 1) * per])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
 
 
 def _numpy(sd: dict) -> dict:
@@ -86,30 +34,30 @@ def _numpy(sd: dict) -> dict:
 
 # ---- DP=2, states on SSD beyond the host budget ----------------------------------------------------------
 def _save_run(rank, world_size, nvme, ckpt):
-    engine = _engine(nvme, seed=0)
-    data = _data(6)
-    first = _train(engine, data, rank, world_size, range(3))
+    engine = ssd_engine(nvme, seed=0)
+    data = ssd_data(6)
+    first = ssd_train(engine, data, rank, world_size, range(3))
     report = engine.memory_report()
     with PeakRSS() as rss:
-        engine.save_checkpoint(ckpt, client_state={"iteration": 3})
+        engine.save_sharded_checkpoint(ckpt, client_state={"iteration": 3})
     pool = engine.store.transfer_pool
     out = {"first": first, "state_bytes": report.total, "host_peak": report.peak_by_tier["host"],
            "nvme_bytes": report.by_tier.get("nvme", 0), "save_pool_peak": pool.peak_held,
            "pool_after": pool.held, "save_rss": rss.growth, "shards": sum(c.plan.shard for c in engine.chunks)}
     out["at_save"] = _numpy(engine.gather_state_dict())
-    out["rest"] = _train(engine, data, rank, world_size, range(3, 6))
+    out["rest"] = ssd_train(engine, data, rank, world_size, range(3, 6))
     out["final"] = _numpy(engine.gather_state_dict())
     engine.close()
     return out
 
 
 def _resume_run(rank, world_size, nvme, ckpt):
-    engine = _engine(nvme, seed=1)  # another init: the load must overwrite every state
+    engine = ssd_engine(nvme, seed=1)  # another init: the load must overwrite every state
     with PeakRSS() as rss:
         path, client = engine.load_checkpoint(ckpt)
     out = {"tag": os.path.basename(path), "client": client, "steps": engine.global_steps,
            "load_pool_peak": engine.store.transfer_pool.peak_held, "load_rss": rss.growth}
-    out["rest"] = _train(engine, _data(6), rank, world_size, range(3, 6))
+    out["rest"] = ssd_train(engine, ssd_data(6), rank, world_size, range(3, 6))
     out["final"] = _numpy(engine.gather_state_dict())
     engine.close()
     return out
@@ -166,10 +114,10 @@ def test_sliced_save_and_resume_beyond_the_host_budget_is_exact(tmp_path):
 # ---- single process: damage, crash mid-save, the unsliced path ---------------------------------------------
 def _saved(tmp_path, **zero):
     """A one-rank engine trained 2 steps and saved under global_step2; returns (engine, ckpt, weights)."""
-    engine = _engine(str(tmp_path / "nvme"), seed=0, depth=4, **zero)
-    _train(engine, _data(3), 0, 1, range(2))
+    engine = ssd_engine(str(tmp_path / "nvme"), seed=0, depth=4, **zero)
+    ssd_train(engine, ssd_data(3), 0, 1, range(2))
     ckpt = str(tmp_path / "ckpt")
-    engine.save_checkpoint(ckpt)
+    engine.save_sharded_checkpoint(ckpt)
     return engine, ckpt, engine.gather_state_dict()
 
 
@@ -194,7 +142,7 @@ def test_damaged_slice_is_a_clear_error_naming_the_file(tmp_path, damage):
         os.truncate(path, os.path.getsize(path) - 1000)
     else:
         _flip_tensor_byte(path, "exp_avg_sq")
-    fresh = _engine(str(tmp_path / "nvme"), seed=1, depth=4)
+    fresh = ssd_engine(str(tmp_path / "nvme"), seed=1, depth=4)
     before = fresh.gather_state_dict()
     with pytest.raises(CheckpointError) as e:
         fresh.load_checkpoint(ckpt)
@@ -219,7 +167,7 @@ def test_consolidation_of_a_corrupted_slice_names_the_file(tmp_path):
 
 def test_crash_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
     engine, ckpt, at_step2 = _saved(tmp_path, save_large_model_slice_size=4096)
-    _train(engine, _data(3), 0, 1, [2])
+    ssd_train(engine, ssd_data(3), 0, 1, [2])
     real, written = slices_module.atomic_torch_save, []
 
     def failing(obj, path):
@@ -230,11 +178,11 @@ def test_crash_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, monkey
 
     monkeypatch.setattr(slices_module, "atomic_torch_save", failing)
     with pytest.raises(OSError, match="No space left"):
-        engine.save_checkpoint(ckpt)
+        engine.save_sharded_checkpoint(ckpt)
     assert len(written) == 3 and engine.store.transfer_pool.held == 0  # buffers returned despite the failure
     engine.close()
     assert open(os.path.join(ckpt, "latest")).read() == "global_step2"
-    fresh = _engine(str(tmp_path / "nvme"), seed=1, depth=4)
+    fresh = ssd_engine(str(tmp_path / "nvme"), seed=1, depth=4)
     fresh.load_checkpoint(ckpt)
     got = fresh.gather_state_dict()
     assert all(torch.equal(got[k], v) for k, v in at_step2.items())
@@ -245,7 +193,7 @@ def test_crash_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, monkey
 def test_both_layouts_round_trip_and_consolidate(tmp_path, multi_slice):
     engine, ckpt, weights = _saved(tmp_path, save_large_model_multi_slice=multi_slice)
     n = math.ceil(sum(c.plan.shard for c in engine.chunks) / SLICE) if multi_slice else 0
-    losses = _train(engine, _data(3), 0, 1, [2])
+    losses = ssd_train(engine, ssd_data(3), 0, 1, [2])
     engine.close()
     files = sorted(os.listdir(os.path.join(ckpt, "global_step2")))
     suffixes = ["", *(f".slice{k:05d}" for k in range(n))]
@@ -256,10 +204,10 @@ def test_both_layouts_round_trip_and_consolidate(tmp_path, multi_slice):
 
 def _assert_reloads(tmp_path, ckpt, weights, losses, **zero):
     """A fresh engine (other init) loads ``ckpt``: same weights, same next step; consolidation equals too."""
-    fresh = _engine(str(tmp_path / "nvme"), seed=1, depth=4, **zero)
+    fresh = ssd_engine(str(tmp_path / "nvme"), seed=1, depth=4, **zero)
     fresh.load_checkpoint(ckpt)
     assert all(torch.equal(fresh.gather_state_dict()[k], v) for k, v in weights.items())
-    assert _train(fresh, _data(3), 0, 1, [2]) == losses
+    assert ssd_train(fresh, ssd_data(3), 0, 1, [2]) == losses
     fresh.close()
     consolidate(ckpt, str(tmp_path / "out"))
     merged = load_consolidated(str(tmp_path / "out"))
@@ -270,7 +218,7 @@ def test_checkpoints_of_the_previous_format_still_load(tmp_path):
     """zero_cache/1 (before slices) kept one tensor per chunk inside the metadata files."""
     engine, ckpt, weights = _saved(tmp_path, save_large_model_multi_slice=False)
     shards = [c.plan.shard for c in engine.chunks]
-    losses = _train(engine, _data(3), 0, 1, [2])
+    losses = ssd_train(engine, ssd_data(3), 0, 1, [2])
     engine.close()
     for kind, names in (("model", ("master",)), ("optim", ("exp_avg", "exp_avg_sq"))):
         path = os.path.join(ckpt, "global_step2", f"zero_pp_rank_0_mp_rank_00_{kind}_states.pt")

@@ -1,5 +1,9 @@
-"""Sharded ZeRO checkpoints (every rank saves its own shards, in bounded slices) and offline consolidation."""
-from .sharded import latest_tag, load, save
+"""Checkpoints of zero_cache states.
+
+``distributed``: the distributed checkpoint (global tensors through torch.distributed.checkpoint; any mesh and
+placement loads any checkpoint). ``sharded``: DeepSpeed's per-rank layout (same layout only) and ``consolidate``
+its offline merge. ``interface``: what both need from the owner of the states.
+"""
 from .slices import CheckpointError
 
-__all__ = ["save", "load", "latest_tag", "CheckpointError"]
+__all__ = ["CheckpointError"]

@@ -1,6 +1,10 @@
-"""Merge a sharded zero_cache checkpoint into one fp32 state dict (DeepSpeed's zero_to_fp32).
+"""Merge a zero_cache checkpoint into one fp32 state dict (DeepSpeed's zero_to_fp32).
 
     python -m zero_cache.checkpoint.consolidate <ckpt_dir> <out_dir> [--tag TAG] [--mp-rank K]
+
+Both layouts are read. The distributed checkpoint (``distributed.py``) already holds whole global tensors:
+each is read on its own (its chunks from every rank's file) and written out, so memory is the largest tensor.
+The per-rank layout (``sharded.py``) is assembled as described below.
 
 Output: a *directory* with one ``<name>.pt`` file per tensor (fp32 parameters, plus buffers and frozen
 parameters) and ``index.json`` (written last) mapping every state-dict key, tied aliases included, to its
@@ -20,6 +24,7 @@ import time
 
 import torch
 
+from . import distributed
 from .sharded import READABLE, file_prefix, flat, latest_tag
 from .slices import SliceFiles, atomic_torch_save
 
@@ -54,10 +59,52 @@ def _file_name(name: str) -> str:
     return name.replace(os.sep, "_") + ".pt"
 
 
+def _progress(done: int, total: int, t0: float) -> None:
+    rate = done / max(time.perf_counter() - t0, 1e-9)
+    print(f"\r[consolidate] {done}/{total} tensors, {rate:.1f}/s, ETA {(total - done) / rate:.0f}s",
+          end="", file=sys.stderr, flush=True)
+
+
+def _write_index(out_dir: str, content: dict) -> None:
+    tmp = os.path.join(out_dir, f"index.json.tmp.{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(content, f, indent=1)
+    os.replace(tmp, os.path.join(out_dir, "index.json"))
+
+
+def _consolidate_distributed(tag_dir: str, out_dir: str, tag: str, progress: bool) -> dict:
+    """One file per global tensor of a distributed checkpoint, read one tensor at a time."""
+    keys = distributed.read_index(tag_dir)
+    objects = distributed.load_objects(tag_dir, [k for k in ("training_state", "param_aliases")
+                                                 if distributed.object_key(k) in keys])
+    aliases = objects.get("param_aliases", {})
+    names = [(k.split("/", 1)[1], k.split("/", 1)[0]) for k in keys
+             if k.startswith((distributed.PARAM + "/", "tensor/"))]
+    os.makedirs(out_dir, exist_ok=True)
+    index: dict[str, dict] = {}
+    t0 = time.perf_counter()
+    for done, (name, kind) in enumerate(names, 1):
+        t = distributed.load_tensor(tag_dir, name, kind)
+        fname = _file_name(name)
+        atomic_torch_save(t, os.path.join(out_dir, fname))
+        for alias in aliases.get(name, [name]):
+            index[alias] = {"file": fname, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+        del t
+        if progress:
+            _progress(done, len(names), t0)
+    if progress:
+        print(file=sys.stderr)
+    steps = objects.get("training_state", {}).get("optimizer_step")
+    _write_index(out_dir, {"tag": tag, "global_steps": steps, "tensors": index})
+    return index
+
+
 def consolidate(ckpt_dir: str, out_dir: str, tag: str | None = None, mp_rank: int = 0,
                 progress: bool = False) -> dict:
     tag = tag or latest_tag(ckpt_dir)
     tag_dir = os.path.join(ckpt_dir, tag)
+    if distributed.is_checkpoint(tag_dir):
+        return _consolidate_distributed(tag_dir, out_dir, tag, progress)
     first = os.path.join(tag_dir, file_prefix(0, mp_rank) + "_model_states.pt")
     if not os.path.isfile(first):
         raise FileNotFoundError(f"{first} is missing: is '{tag_dir}' a zero_cache checkpoint with mp rank {mp_rank}?")
@@ -95,9 +142,7 @@ def consolidate(ckpt_dir: str, out_dir: str, tag: str | None = None, mp_rank: in
                 index[alias] = {"file": fname, "shape": slot["shape"], "dtype": "float32"}
             done += 1
             if progress:
-                rate = done / max(time.perf_counter() - t0, 1e-9)
-                print(f"\r[consolidate] {done}/{total} tensors, {rate:.1f}/s, ETA {(total - done) / rate:.0f}s",
-                      end="", file=sys.stderr, flush=True)
+                _progress(done, total, t0)
     for kind in ("frozen", "buffers"):
         for name, t in meta[kind].items():
             fname = _file_name(name)
@@ -105,11 +150,7 @@ def consolidate(ckpt_dir: str, out_dir: str, tag: str | None = None, mp_rank: in
             index[name] = {"file": fname, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
     if progress:
         print(file=sys.stderr)
-    tmp = os.path.join(out_dir, f"index.json.tmp.{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"tag": tag, "mp_rank": mp_rank, "global_steps": meta["global_steps"], "tensors": index}, f,
-                  indent=1)
-    os.replace(tmp, os.path.join(out_dir, "index.json"))
+    _write_index(out_dir, {"tag": tag, "mp_rank": mp_rank, "global_steps": meta["global_steps"], "tensors": index})
     return index
 
 

@@ -2,7 +2,7 @@
 
 ``<dir>/<tag>/zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt``: the chunk layout (parameter names,
 offsets, shapes, DP size) that consolidation needs, module buffers, frozen parameters and the caller's
-``client_state``. ``..._optim_states.pt``: Adam step counts, loss-scaler and optimizer state. The fp32
+``client_state``. ``..._optim_states.pt``: the training state (Adam's step count, the loss scaler). The fp32
 master shards (model) and Adam moments (optim) go
 - with ``save_large_model_multi_slice`` (default): into slice files next to them (``slices.py``), streamed
   from each state's tier ``save_large_model_slice_size`` elements at a time; the metadata file lists them;
@@ -20,15 +20,24 @@ import os
 import torch
 import torch.distributed as dist
 
+from .interface import EXP_AVG, EXP_AVG_SQ, PARAM, ShardedStateSource
 from .slices import CheckpointError, SliceFiles, atomic_torch_save, pieces, write_slices
 
-FORMAT = "zero_cache/2"
-READABLE = ("zero_cache/1", "zero_cache/2")  # 1: no slices; a list of per-chunk tensors or one flat tensor
+FORMAT = "zero_cache/3"
+# 1: no slices (a list of per-chunk tensors or one flat tensor); 1 and 2: the training state as separate fields.
+READABLE = ("zero_cache/1", "zero_cache/2", FORMAT)
+# Stream names in the files, and the state each holds.
 MODEL_STATES, OPTIM_STATES = ("master",), ("exp_avg", "exp_avg_sq")
+_STATE_OF = {"master": PARAM, "exp_avg": EXP_AVG, "exp_avg_sq": EXP_AVG_SQ}
 
 
 def file_prefix(dp_rank: int, mp_rank: int) -> str:
     return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}"
+
+
+def is_sharded_checkpoint(tag_dir: str) -> bool:
+    """Whether ``tag_dir`` holds this per-rank layout (rather than the distributed checkpoint)."""
+    return os.path.isfile(os.path.join(tag_dir, file_prefix(0, 0) + "_model_states.pt"))
 
 
 def latest_tag(load_dir: str) -> str:
@@ -40,11 +49,21 @@ def latest_tag(load_dir: str) -> str:
         return f.read().strip()
 
 
-def layout_of(engine) -> list[dict]:
-    return [{"index": c.plan.index, "group": c.plan.group, "resident": c.plan.resident, "numel": c.plan.numel,
-             "padded": c.plan.padded, "shard": c.plan.shard,
-             "slots": [{"name": s.name, "offset": s.offset, "numel": s.numel, "shape": list(s.shape)}
-                       for s in c.plan.slots]} for c in engine.chunks]
+def write_latest(save_dir: str, tag: str) -> None:
+    """``<save_dir>/latest`` names ``tag`` (atomic: written aside, then renamed)."""
+    tmp = os.path.join(save_dir, f"latest.tmp.{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(tag)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(save_dir, "latest"))
+
+
+def layout_of(source: ShardedStateSource) -> list[dict]:
+    return [{"index": p.index, "group": p.group, "resident": p.resident, "numel": p.numel, "padded": p.padded,
+             "shard": p.shard, "slots": [{"name": s.name, "offset": s.offset, "numel": s.numel,
+                                           "shape": list(s.shape)} for s in p.slots]}
+            for p in source.chunk_plans()]
 
 
 def flat(entry) -> torch.Tensor:
@@ -57,17 +76,16 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _states(engine, prefix: str, kind: str, names: tuple[str, ...]) -> dict:
+def _states(source: ShardedStateSource, prefix: str, kind: str, names: tuple[str, ...]) -> dict:
     """The entries of one kind's metadata file that hold (or list) the rank's streams of ``names``."""
-    z = engine.config.zero_optimization
-    shards = [c.plan.shard for c in engine.chunks]
+    shards = [p.shard for p in source.chunk_plans()]
 
     def fill(name, ci, lo, hi, out):
-        engine.state_tensor(engine.chunks[ci], name, lo, hi, out=out)
+        source.chunk_state(ci, _STATE_OF[name], lo, hi, out=out)
 
-    if z.save_large_model_multi_slice:
-        return {"slices": write_slices(prefix, kind, names, shards, z.save_large_model_slice_size,
-                                       engine.store.transfer_pool, fill)}
+    slice_numel = source.slice_numel()
+    if slice_numel is not None:
+        return {"slices": write_slices(prefix, kind, names, shards, slice_numel, source.transfer_pool, fill)}
     out = {}
     for name in names:
         out[name] = torch.empty(sum(shards), dtype=torch.float32)
@@ -76,42 +94,34 @@ def _states(engine, prefix: str, kind: str, names: tuple[str, ...]) -> dict:
     return out
 
 
-def save(engine, save_dir: str, tag: str, client_state: dict) -> str:
+def save(source: ShardedStateSource, save_dir: str, tag: str, client_state: dict) -> str:
     tag_dir = os.path.join(save_dir, tag)
     os.makedirs(tag_dir, exist_ok=True)
-    prefix = os.path.join(tag_dir, file_prefix(engine.dp_rank, engine.mp_rank))
-    aliases = {}
-    for name, p in engine.module.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(name)
-    managed = {id(s.param) for c in engine.chunks for s in c.plan.slots}
+    prefix = os.path.join(tag_dir, file_prefix(source.dp_rank, source.mp_rank))
+    replicated = source.replicated_tensors()
+    training = source.training_state()
     try:
         model_states = {
-            "format": FORMAT, "dp_world_size": engine.comm.size, "dp_rank": engine.dp_rank,
-            "mp_rank": engine.mp_rank, "stage": engine.config.zero_optimization.stage,
-            "compute_dtype": str(engine.dtype), "layout": layout_of(engine),
-            "aliases": {s.name: aliases[id(s.param)] for c in engine.chunks for s in c.plan.slots},
-            **_states(engine, prefix, "model", MODEL_STATES),
-            "frozen": {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters()
-                       if id(p) not in managed},
-            "buffers": {n: b.detach().cpu().clone() for n, b in engine.module.named_buffers()},
-            "global_steps": engine.global_steps, "client_state": client_state,
+            "format": FORMAT, "dp_world_size": source.dp_size, "dp_rank": source.dp_rank,
+            "mp_rank": source.mp_rank, "compute_dtype": str(source.compute_dtype), "layout": layout_of(source),
+            "aliases": source.param_aliases(),
+            **_states(source, prefix, "model", MODEL_STATES),
+            "frozen": {n: t.detach().cpu().clone() for n, t in replicated.items()
+                       if isinstance(t, torch.nn.Parameter)},
+            "buffers": {n: t.detach().cpu().clone() for n, t in replicated.items()
+                        if not isinstance(t, torch.nn.Parameter)},
+            "global_steps": training["optimizer_step"], "client_state": client_state,
         }
         atomic_torch_save(model_states, prefix + "_model_states.pt")
         del model_states
-        optim_states = {
-            "format": FORMAT, **_states(engine, prefix, "optim", OPTIM_STATES),
-            "step": [c.step.detach().cpu().clone() for c in engine.chunks],
-            "loss_scaler": engine.scaler.state_dict(), "optimizer": engine.optimizer.state_dict(),
-        }
+        optim_states = {"format": FORMAT, **_states(source, prefix, "optim", OPTIM_STATES),
+                        "training_state": training}
         atomic_torch_save(optim_states, prefix + "_optim_states.pt")
     finally:
-        engine.store.transfer_pool.trim()
+        source.transfer_pool.trim()
     _barrier()
     if not dist.is_initialized() or dist.get_rank() == 0:
-        tmp = os.path.join(save_dir, f"latest.tmp.{os.getpid()}")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(tag)
-        os.replace(tmp, os.path.join(save_dir, "latest"))
+        write_latest(save_dir, tag)
     _barrier()
     return tag_dir
 
@@ -131,69 +141,66 @@ def _read_metadata(path: str, tag_dir: str) -> dict:
     return saved
 
 
-def _check_layout(saved: dict, engine, path: str) -> None:
-    if saved["dp_world_size"] != engine.comm.size or saved["layout"] != layout_of(engine):
+def _check_layout(saved: dict, source: ShardedStateSource, path: str) -> None:
+    if saved["dp_world_size"] != source.dp_size or saved["layout"] != layout_of(source):
         raise ValueError(
             f"{path}: saved with data-parallel size {saved['dp_world_size']} and a different chunk layout than this "
-            f"run (data-parallel size {engine.comm.size}); resume with the same model and zero_optimization "
+            f"run (data-parallel size {source.dp_size}); resume with the same model and zero_optimization "
             f"settings, or consolidate it (python -m zero_cache.checkpoint.consolidate) and load the state dict")
 
 
-def _restore(engine, saved: dict, source: SliceFiles | None, names: tuple[str, ...], put) -> None:
-    """Hand every piece of the streams of ``names`` to ``put(name, chunk, lo, values)``, in stream order."""
-    shards = [c.plan.shard for c in engine.chunks]
-    if source is None:
+def _restore(source: ShardedStateSource, saved: dict, files: SliceFiles | None, names: tuple[str, ...]) -> None:
+    """Write every piece of the streams of ``names`` into the source's chunks, in stream order."""
+    shards = [p.shard for p in source.chunk_plans()]
+    if files is None:
         values = {n: flat(saved[n]) for n in names}
         for ci, a, b, pos in pieces(shards, 0, sum(shards)):
             for n in names:
-                put(n, engine.chunks[ci], a, values[n][pos:pos + b - a])
+                source.set_chunk_state(ci, _STATE_OF[n], values[n][pos:pos + b - a], a)
         return
-    for k in range(len(source)):
-        data = source.load(k)
-        lo, hi = source.bounds(k)
+    for k in range(len(files)):
+        data = files.load(k)
+        lo, hi = files.bounds(k)
         for ci, a, b, pos in pieces(shards, lo, hi):
             for n in names:
-                put(n, engine.chunks[ci], a, data[n][pos:pos + b - a])
+                source.set_chunk_state(ci, _STATE_OF[n], data[n][pos:pos + b - a], a)
         del data  # unmapped before the next slice is mapped
 
 
+def _training_state(opt: dict) -> dict:
+    """The training state of an optimizer file (formats 1 and 2 kept it as separate fields)."""
+    if "training_state" in opt:
+        return opt["training_state"]
+    scaler = opt["loss_scaler"]
+    dynamic = {"scale": scaler["scale"], "growth_tracker": scaler["clean_steps"],
+               "hysteresis_tracker": scaler["hysteresis_left"]}
+    return {"optimizer_step": int(opt["step"][0]), "loss_scaler": dynamic, "lr": opt["optimizer"]["lr"]}
+
+
 @torch.no_grad()
-def load(engine, load_dir: str, tag: str | None, load_optimizer_states: bool) -> tuple[str, dict]:
+def load(source: ShardedStateSource, load_dir: str, tag: str | None, load_optimizer_states: bool
+         ) -> tuple[str, dict]:
     tag = tag or latest_tag(load_dir)
     tag_dir = os.path.join(load_dir, tag)
-    prefix = os.path.join(tag_dir, file_prefix(engine.dp_rank, engine.mp_rank))
+    prefix = os.path.join(tag_dir, file_prefix(source.dp_rank, source.mp_rank))
     model_path, optim_path = prefix + "_model_states.pt", prefix + "_optim_states.pt"
     saved = _read_metadata(model_path, tag_dir)
-    _check_layout(saved, engine, model_path)
+    _check_layout(saved, source, model_path)
     opt = _read_metadata(optim_path, tag_dir) if load_optimizer_states else None
-    sources = {}
+    files = {}
     for key, meta, path in (("model", saved, model_path), ("optim", opt, optim_path)):
         if meta is not None and "slices" in meta:
-            sources[key] = SliceFiles(tag_dir, path, meta["slices"])
-            sources[key].check_present()  # before any state is overwritten
-
-    def put_master(_, chunk, lo, values):
-        engine.set_state_tensor(chunk, "master", values, lo)
-        if not chunk.master_is_param():
-            engine.set_state_tensor(chunk, "param", values, lo)
-
+            files[key] = SliceFiles(tag_dir, path, meta["slices"])
+            files[key].check_present()  # before any state is overwritten
     try:
-        _restore(engine, saved, sources.get("model"), MODEL_STATES, put_master)
-        params = dict(engine.module.named_parameters())
-        for n, t in saved["frozen"].items():
-            params[n].copy_(t)
-        buffers = dict(engine.module.named_buffers())
-        for n, t in saved["buffers"].items():
-            buffers[n].copy_(t)
-        engine.global_steps = saved["global_steps"]
+        _restore(source, saved, files.get("model"), MODEL_STATES)
+        replicated = source.replicated_tensors()
+        for n, t in {**saved["frozen"], **saved["buffers"]}.items():
+            replicated[n].copy_(t)
         if opt is not None:
-            _restore(engine, opt, sources.get("optim"), OPTIM_STATES,
-                     lambda name, chunk, lo, values: engine.set_state_tensor(chunk, name, values, lo))
-            for c, s in zip(engine.chunks, opt["step"]):
-                c.step.copy_(s)
-            engine.scaler.load_state_dict(opt["loss_scaler"])
-            engine.optimizer.lr = opt["optimizer"]["lr"]
+            _restore(source, opt, files.get("optim"), OPTIM_STATES)
+        source.load_training_state(_training_state(opt) if opt is not None else {}, opt is not None)
     finally:
-        engine.store.transfer_pool.trim()
-    engine.params_changed()
+        source.transfer_pool.trim()
+    source.states_loaded()
     return tag_dir, saved["client_state"]

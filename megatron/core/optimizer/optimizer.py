@@ -100,6 +100,34 @@ class MegatronOptimizer:
         self.optimizer.step()
         return True, grad_norm
 
+    # ---- checkpoint access: the fp32 copy each parameter is optimised as, and its Adam state ----
+    def main_param(self, model_param: nn.Parameter) -> nn.Parameter:
+        """The fp32 tensor AdamW updates for ``model_param`` (itself unless it is 16-bit)."""
+        return model_param
+
+    def adam_state(self, main_param: nn.Parameter) -> dict[str, torch.Tensor]:
+        """AdamW's state of ``main_param`` (step, exp_avg, exp_avg_sq), created as torch creates it (zeros)
+        when no step has run yet, so a checkpoint can be loaded into a fresh optimizer."""
+        state = self.optimizer.state[main_param]
+        if not state:
+            group = next(g for g in self.optimizer.param_groups if any(p is main_param for p in g["params"]))
+            on_device = group.get("fused") or group.get("capturable")
+            state["step"] = (torch.zeros((), dtype=torch.float32, device=main_param.device) if on_device
+                             else torch.tensor(0.0, dtype=torch.float32))
+            state["exp_avg"] = torch.zeros_like(main_param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(main_param, memory_format=torch.preserve_format)
+        return state
+
+    def loss_scaler_state(self) -> dict | None:
+        """The dynamic loss scaler's state (None without one)."""
+        return None
+
+    def load_loss_scaler_state(self, state: dict | None) -> None:
+        """Restore ``loss_scaler_state``."""
+
+    def main_params_changed(self) -> None:
+        """The fp32 copies were overwritten (checkpoint load): refresh the model's own parameters."""
+
     def _load_torch_optimizer_state(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)
         for group in self.optimizer.param_groups:  # kernel choice belongs to this machine, not the checkpoint
@@ -145,6 +173,7 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
             else:
                 main_params.append(p)
         super().__init__(config, model_chunks, main_params, params, model_parallel_group)
+        self._master_of = {id(p): m for p, m in self._pairs}
         self.grad_scaler: ConstantGradScaler | DynamicGradScaler | None = None
         if config.fp16:
             self.grad_scaler = (ConstantGradScaler(config.loss_scale) if config.loss_scale is not None else
@@ -154,6 +183,22 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
 
     def get_loss_scale(self) -> float:
         return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+
+    def main_param(self, model_param: nn.Parameter) -> nn.Parameter:
+        return self._master_of.get(id(model_param), model_param)
+
+    def loss_scaler_state(self) -> dict | None:
+        if isinstance(self.grad_scaler, DynamicGradScaler):
+            return self.grad_scaler.state_dict()
+        return None
+
+    def load_loss_scaler_state(self, state: dict | None) -> None:
+        if state is not None and isinstance(self.grad_scaler, DynamicGradScaler):
+            self.grad_scaler.load_state_dict(state)
+
+    def main_params_changed(self) -> None:
+        with torch.no_grad():
+            torch._foreach_copy_([p for p, _ in self._pairs], [m for _, m in self._pairs])
 
     def _unscale_and_check_overflow(self) -> bool:
         """Divide the grads by the loss scale in place; True if any rank of the model has an inf/nan."""

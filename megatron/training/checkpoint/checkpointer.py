@@ -1,0 +1,199 @@
+"""The trainer's checkpoints in the distributed format: directories, the tracker, background saves, cleanup.
+
+    <save>/latest_checkpointed_iteration.txt    the last complete iteration (written last, atomically)
+    <save>/iter_0000100/                         one distributed checkpoint (zero_cache.checkpoint.distributed):
+        .metadata, __<rank>_0.distcp, checksums.json
+
+What a checkpoint holds beyond the model states: ``args`` (the run's Megatron-named arguments), ``iteration``,
+``consumed_samples`` (the data position), ``opt_param_scheduler`` and every rank's RNG states
+(``rng/tp<t>_pp<p>_dp<d>``, restored when the mesh is the same).
+
+A background save (``--async-save``) writes while training goes on: nothing is copied, because the states it
+reads change only in the optimizer step, and that step first waits for the save to finish
+(``wait_before_update``). The next save and the end of training wait too. The tracker is written only after
+every rank's files and the checksums are on disk, so a crash at any moment leaves the previous checkpoint
+loadable; directories a crash left incomplete and temporary files are removed by the next save or load.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zero_cache.checkpoint import CheckpointError, distributed, integrity
+from zero_cache.checkpoint.interface import StateSource
+
+TRACKER = "latest_checkpointed_iteration.txt"
+_ITER_DIR = re.compile(r"^iter_(\d{7})$")
+_TMP = re.compile(r"\.tmp\.\d+$")
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def tracker_path(root: str) -> str:
+    return os.path.join(root, TRACKER)
+
+
+def write_tracker(root: str, iteration: int) -> None:
+    """Name ``iteration`` in the tracker (written aside, fsynced, renamed)."""
+    path = tracker_path(root)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(f"{iteration}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_tracker(root: str) -> int | None:
+    """The iteration the tracker names; None when there is none."""
+    path = tracker_path(root)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        text = f.read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{path} should hold an iteration number but holds {text!r}; fix or delete it "
+                              "(then the directory is treated as holding no checkpoint)")
+    return int(text)
+
+
+def remove_leftovers(root: str) -> list[str]:
+    """Remove what crashed saves left in ``root``: distributed checkpoint directories without their checksums
+    file and temporary files (``*.tmp.<pid>``). Returns the removed paths. Only one rank may call it."""
+    removed = []
+    if not os.path.isdir(root):
+        return removed
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if _TMP.search(name) and os.path.isfile(path):
+            os.remove(path)
+            removed.append(path)
+        elif _ITER_DIR.match(name) and os.path.isdir(path):
+            files = os.listdir(path)
+            started = any(f == distributed.METADATA or f.endswith(".distcp") for f in files)
+            if started and integrity.CHECKSUMS not in files:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+                continue
+            for sub, _, names in os.walk(path):
+                for f in names:
+                    if _TMP.search(f):
+                        os.remove(os.path.join(sub, f))
+                        removed.append(os.path.join(sub, f))
+    return removed
+
+
+@dataclass(frozen=True)
+class SaveRecord:
+    iteration: int
+    blocked_s: float  # time the training loop was held by this save (the call, and any wait for it)
+    write_s: float  # time from the call until every file and the tracker were on disk
+
+
+class Checkpointer:
+    """Saves distributed checkpoints of one run (collective over ``group``, every rank), one at a time."""
+
+    def __init__(self, save_dir: str | None, *, async_save: bool, group, device: torch.device,
+                 slice_numel: int = distributed.DEFAULT_SLICE_NUMEL):
+        self.save_dir, self.async_save, self.group, self.device = save_dir, async_save, group, device
+        self.slice_numel = slice_numel
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._pending: dict | None = None  # the save in flight: iteration, start time, blocked seconds
+        self.records: list[SaveRecord] = []
+
+    # ---- saving --------------------------------------------------------------------------------------------
+    def save(self, iteration: int, source: StateSource, layout, objects: dict[str, Any], *,
+             optimizer: bool = True) -> None:
+        """Write ``iteration``; returns at once under ``async_save`` (the files are written in the background)."""
+        self.wait()
+        start = time.perf_counter()
+        if _rank() == 0:
+            remove_leftovers(self.save_dir)
+        _barrier(self.group)
+        directory = iteration_dir(self.save_dir, iteration)
+        self._pending = {"iteration": iteration, "start": start, "blocked": 0.0}
+        job = (directory, source, layout, objects, optimizer)
+        if not self.async_save:
+            self._write(*job)
+            self._finish()
+            return
+        self._thread = threading.Thread(target=self._write_in_background, args=job, daemon=True,
+                                        name="checkpoint_writer")
+        self._thread.start()
+        self._pending["blocked"] += time.perf_counter() - start
+
+    def _write(self, directory, source, layout, objects, optimizer) -> None:
+        distributed.save(directory, source, layout=layout, objects=objects, group=self.group,
+                         slice_numel=self.slice_numel, optimizer=optimizer)
+        if _rank() == 0:
+            write_tracker(self.save_dir, self._pending["iteration"])
+        _barrier(self.group)
+        self._pending["written"] = time.perf_counter()
+
+    def _write_in_background(self, *job) -> None:
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            self._write(*job)
+        except BaseException as e:  # re-raised in the training thread by wait()
+            self._error = e
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is complete; its time counts as blocked."""
+        if self._pending is None:
+            return
+        if self._thread is not None:
+            start = time.perf_counter()
+            self._thread.join()
+            self._thread = None
+            self._pending["blocked"] += time.perf_counter() - start
+            if self._error is not None:
+                error, self._error, self._pending = self._error, None, None
+                raise error
+        self._finish()
+
+    def wait_before_update(self) -> None:
+        """Called before anything a save reads changes (the optimizer step)."""
+        self.wait()
+
+    def _finish(self) -> None:
+        p, self._pending = self._pending, None
+        if not self.async_save:
+            p["blocked"] = time.perf_counter() - p["start"]
+        record = SaveRecord(p["iteration"], p["blocked"], p["written"] - p["start"])
+        self.records.append(record)
+        if dist.get_rank() == 0:
+            how = "in the background" if self.async_save else "synchronously"
+            print(f"> saved checkpoint at iteration {record.iteration} to {self.save_dir} {how}: written in "
+                  f"{record.write_s:.2f} s, training blocked {record.blocked_s:.2f} s", flush=True)
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None
+
+
+def load(directory: str, source: StateSource, layout, *, objects: list[str], optional: list[str],
+         optimizer: bool, group, slice_numel: int = distributed.DEFAULT_SLICE_NUMEL) -> dict[str, Any]:
+    """Read a distributed checkpoint into ``source`` (see zero_cache.checkpoint.distributed.load)."""
+    return distributed.load(directory, source, layout=layout, objects=objects, optional_objects=optional,
+                            optimizer=optimizer, group=group, slice_numel=slice_numel)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier(group) -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier(group=group)
