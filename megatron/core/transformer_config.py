@@ -26,6 +26,7 @@ class TransformerConfig:
     normalization: str = "LayerNorm"  # or "RMSNorm"
     layernorm_epsilon: float = 1e-5
     swiglu: bool = False
+    openai_gelu: bool = False  # GELU's tanh approximation (GPT-2's "gelu_new") instead of the exact erf form
     add_bias_linear: bool = True
     untie_embeddings_and_output_weights: bool = False
     hidden_dropout: float = 0.1
