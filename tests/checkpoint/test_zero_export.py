@@ -3,6 +3,7 @@ import json
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from megatron.model.gpt_model import GPTModel
 from tests.training.parallel_harness import LLAMA_STYLE, TINY_GPT, ds_config_flags, train
@@ -28,7 +29,8 @@ def test_zero3_checkpoint_consolidates_to_trained_weights(single_rank, tmp_path,
     assert state.keys() == trained.keys()
     for name, t in trained.items():
         torch.testing.assert_close(state[name], t, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
-    hf = convert(str(tmp_path / "hf"), state_dict=str(out)).eval()  # args come from out/args.json
+    convert(str(tmp_path / "hf"), state_dict=str(out))  # args come from out/args.json
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     cfg = model_config_from_args(json.loads((out / "args.json").read_text()))
     ours = GPTModel(cfg).eval()
     ours.load_state_dict(state, strict=True)
