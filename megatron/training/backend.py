@@ -16,8 +16,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import get_megatron_optimizer
-from megatron.training.arguments import Config
 from megatron.training.checkpointing import CheckpointConfig, load_checkpoint, save_checkpoint
+from megatron.training.config import Config
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class MegatronBackend:
 def build_model(cfg: Config, model_provider, model_cfg, rng_tracker, device: torch.device) -> torch.nn.Module:
     """The model on ``device``; under --deepspeed it is built without memory and the engine fills it chunk
     by chunk (a model bigger than host memory can be trained), see zero_backend.build_lazy_model."""
-    if cfg.zero.enabled:
+    if cfg.deepspeed.enabled:
         from megatron.training.zero_backend import build_lazy_model
         return build_lazy_model(model_provider, model_cfg, rng_tracker, device)
     return model_provider(model_cfg, rng_tracker).to(device)
@@ -95,7 +95,7 @@ def build_model(cfg: Config, model_provider, model_cfg, rng_tracker, device: tor
 
 def build_backend(cfg: Config, model: torch.nn.Module):
     """The zero_cache engine under --deepspeed, else Megatron's DDP + optimizer."""
-    if cfg.zero.enabled:
+    if cfg.deepspeed.enabled:
         from megatron.training.zero_backend import ZeroBackend
         return ZeroBackend(cfg, model)
     return MegatronBackend(cfg, model)
