@@ -18,7 +18,7 @@ from megatron.core.pipeline_parallel import p2p_communication as p2p
 from megatron.core.pipeline_parallel.schedules import ForwardStepFunc, forward_backward
 from megatron.data import build_pretraining_data_loader
 from megatron.tokenizer import build_tokenizer
-from megatron.training.backend import build_backend, build_model
+from megatron.training.backend import Backend, BackendStepResult, build_backend, build_model
 from megatron.training.config import Config, ConfigError
 from megatron.training.initialize import initialize_distributed, set_random_seed
 from megatron.training.lr_scheduler import OptimizerParamScheduler
@@ -32,7 +32,7 @@ class TrainResult:
     skipped_iterations: list[int] = field(default_factory=list)  # fp16 overflow / non-finite grad norm
     loss_scales: dict[int, float] = field(default_factory=dict)
     model: torch.nn.Module | None = None
-    backend: object | None = None  # MegatronBackend or ZeroBackend: local_state_dict(), memory_tiers()
+    backend: Backend | None = None
 
 
 def num_samples(cfg: Config) -> tuple[int, int, int]:
@@ -56,8 +56,8 @@ def _average_losses(stats: list[dict], key: str = "lm loss") -> float | None:
     return local.item() / ps.get_data_parallel_world_size()
 
 
-def train_step(backend, forward_step_func: ForwardStepFunc, data_iterator,
-               spec: p2p.TensorSpec, num_microbatches: int, lr: float):
+def train_step(backend: Backend, forward_step_func: ForwardStepFunc, data_iterator, spec: p2p.TensorSpec,
+               num_microbatches: int, lr: float) -> tuple[float | None, BackendStepResult]:
     backend.zero_grad()
     stats = forward_backward(forward_step_func, data_iterator, backend.model, num_microbatches=num_microbatches,
                              spec=spec, grad_scale_func=backend.scale_loss, no_sync=backend.no_sync)
@@ -66,7 +66,7 @@ def train_step(backend, forward_step_func: ForwardStepFunc, data_iterator,
     return _average_losses(stats), result
 
 
-def evaluate(backend, forward_step_func: ForwardStepFunc, data_iterator, spec: p2p.TensorSpec,
+def evaluate(backend: Backend, forward_step_func: ForwardStepFunc, data_iterator, spec: p2p.TensorSpec,
              num_microbatches: int, eval_iters: int) -> float | None:
     backend.model.eval()
     losses = []

@@ -18,6 +18,7 @@ import zero_cache
 from megatron.core import parallel_state as ps
 from megatron.core.deferred_init import initial_value
 from megatron.core.tensor_parallel import param_is_tensor_parallel_duplicate
+from megatron.training.backend import Backend, BackendStepResult
 from megatron.training.checkpointing import (
     CheckpointConfig,
     get_rng_state,
@@ -82,8 +83,14 @@ def build_lazy_model(model_provider, model_cfg, rng_tracker, device: torch.devic
     return zero_cache.storage_less_parameters(model, device)
 
 
-class ZeroBackend:
-    """The zero_cache engine behind the trainer's backend interface (see backend.py)."""
+def step_result(result: zero_cache.StepResult) -> BackendStepResult:
+    """The engine's step report as the training loop's."""
+    return BackendStepResult(update_successful=not result.skipped, grad_norm=result.grad_norm,
+                             loss_scale=result.loss_scale)
+
+
+class ZeroBackend(Backend):
+    """The zero_cache engine behind the trainer's ``Backend``; the engine owns the optimizer."""
 
     def __init__(self, cfg: Config, model: torch.nn.Module):
         self.module = model
@@ -122,8 +129,8 @@ class ZeroBackend:
     def finish_grad_sync(self) -> None:
         """step() waits for the outstanding reduce-scatters and syncs tied embeddings."""
 
-    def step(self, lr: float):
-        return self.model.step(lr=lr)
+    def step(self, lr: float) -> BackendStepResult:
+        return step_result(self.model.step(lr=lr))
 
     def save_checkpoint(self, cfg: CheckpointConfig, iteration: int, scheduler, *, consumed_samples: int,
                         args: dict, rng_tracker) -> None:
@@ -151,7 +158,7 @@ class ZeroBackend:
         return int(client["iteration"]), int(client["consumed_samples"])
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's (TP/PP-partitioned) weights in fp32, gathered over the data-parallel group."""
+        """Gathered over the data-parallel group (each rank holds 1/N of every shard)."""
         return self.model.gather_state_dict(rank0_only=False)
 
     def memory_tiers(self) -> dict[str, float]:

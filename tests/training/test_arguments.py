@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 
 from megatron.training.arguments import ConfigError, parse_args
+from megatron.training.backend import Backend, BackendStepResult, MegatronBackend
+from megatron.training.zero_backend import ZeroBackend, step_result
 from tests.training.parallel_harness import TINY_GPT
+from zero_cache import StepResult
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -122,3 +125,18 @@ def test_tokenizer_and_data_flags_import_without_torch():
     code = ("import sys, megatron.training.arguments.tokenizer, megatron.training.arguments.data; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60).returncode == 0
+
+
+def test_both_backends_implement_the_backend_interface():
+    assert issubclass(MegatronBackend, Backend) and issubclass(ZeroBackend, Backend)
+    assert Backend.__abstractmethods__ == {"zero_grad", "scale_loss", "no_sync", "finish_grad_sync", "step",
+                                           "save_checkpoint", "load_checkpoint", "memory_tiers", "comm_stats",
+                                           "local_state_dict"}
+    assert not MegatronBackend.__abstractmethods__ and not ZeroBackend.__abstractmethods__
+
+
+def test_engine_step_result_becomes_the_trainers():
+    assert step_result(StepResult(grad_norm=0.5, skipped=False, loss_scale=8.0, lr=1e-3)) == \
+        BackendStepResult(update_successful=True, grad_norm=0.5, loss_scale=8.0)
+    skipped = step_result(StepResult(grad_norm=float("inf"), skipped=True, loss_scale=4.0, lr=1e-3))
+    assert not skipped.update_successful and skipped.grad_norm == float("inf") and skipped.loss_scale == 4.0
