@@ -14,7 +14,8 @@ from megatron.core.tensor_parallel import RNGStatesTracker
 from megatron.core.transformer_config import TransformerConfig
 from megatron.data import build_train_valid_test_datasets, get_ltor_masks_and_position_ids
 from megatron.model.gpt_model import GPTModel
-from megatron.training.arguments import Config, ConfigError, parse_args
+from megatron.training.arguments import parse_args
+from megatron.training.config import Config, ConfigError
 from megatron.training.training import TrainResult, pretrain
 
 

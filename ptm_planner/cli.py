@@ -23,7 +23,7 @@ import torch
 
 from megatron.core.parallel_state import ParallelConfigError
 from megatron.training.arguments import ConfigError as MegatronConfigError
-from megatron.training.arguments import _add_model_args, transformer_config_from_args
+from megatron.training.arguments.model import add_model_args, model_config_from_args
 from ptm_planner.plan import (
     DEFAULT_VOCAB_SIZE,
     OFFLOADS,
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a size of examples/start.sh (model flags given as well override it)")
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
                    help="tokenizer vocabulary (unpadded; padded like the trainer)")
-    _add_model_args(p)  # Megatron's own model flags (--num-layers ... --swiglu --bf16 ...)
+    add_model_args(p)  # Megatron's own model flags (--num-layers ... --swiglu --bf16 ...)
     g = p.add_argument_group("mesh")
     g.add_argument("--nproc-per-node", type=int, default=None, help="default: the GPUs here, else 2 (as start.sh)")
     g.add_argument("--nnodes", type=int, default=1)
@@ -158,7 +158,7 @@ def request_from_args(argv: list[str]) -> tuple[Request, argparse.Namespace]:
     mesh = Mesh(args.nproc_per_node, args.nnodes, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     try:
         mesh.dp  # noqa: B018  (validates the mesh)
-        model = transformer_config_from_args(args, args.vocab_size)
+        model = model_config_from_args(args).transformer_config(args.vocab_size, args.tensor_model_parallel_size)
     except (ParallelConfigError, MegatronConfigError) as e:
         raise ValueError(str(e)) from None
     if model.num_layers % mesh.pp:
@@ -170,7 +170,7 @@ def request_from_args(argv: list[str]) -> tuple[Request, argparse.Namespace]:
 
 
 def megatron_args(p: Plan) -> list[str]:
-    """The planned model and batch as Megatron-LM flags (accepted by megatron/training/arguments.py)."""
+    """The planned model and batch as Megatron-LM flags (accepted by megatron/training/arguments/)."""
     m, r, opt = p.request.model, p.request, p.chosen.option
     out = ["--num-layers", str(m.num_layers), "--hidden-size", str(m.hidden_size),
            "--num-attention-heads", str(m.num_attention_heads), "--ffn-hidden-size", str(m.ffn_hidden_size),

@@ -153,11 +153,6 @@ def get_pipeline_model_parallel_rank() -> int:
     return _g().pp_ranks.index(dist.get_rank())
 
 
-def get_tensor_model_parallel_src_rank() -> int:
-    """Global rank of tp_rank 0 in this rank's tensor-parallel group."""
-    return _g().tp_ranks[0]
-
-
 def is_pipeline_first_stage() -> bool:
     return get_pipeline_model_parallel_rank() == 0
 
@@ -174,7 +169,3 @@ def get_pipeline_model_parallel_next_rank() -> int:
 def get_pipeline_model_parallel_prev_rank() -> int:
     ranks = _g().pp_ranks
     return ranks[(ranks.index(dist.get_rank()) - 1) % len(ranks)]
-
-
-def get_pipeline_model_parallel_last_rank() -> int:
-    return _g().pp_ranks[-1]

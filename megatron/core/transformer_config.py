@@ -1,4 +1,4 @@
-"""The shape and numerics of a GPT model, built once from the command line and passed explicitly."""
+"""The shape and numerics of a GPT model, passed explicitly to every module that builds a part of it."""
 from __future__ import annotations
 
 import zlib
@@ -12,31 +12,31 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass(frozen=True)
 class TransformerConfig:
-    num_layers: int
-    hidden_size: int
+    num_layers: int  # transformer layers of the whole model
+    hidden_size: int  # width of the residual stream
     num_attention_heads: int
-    seq_length: int
-    padded_vocab_size: int
+    seq_length: int  # tokens per sample
+    padded_vocab_size: int  # rows of the (whole) word embedding and output head
     ffn_hidden_size: int | None = None  # default 4 * hidden
     num_query_groups: int | None = None  # GQA; default = heads (plain multi-head attention)
     kv_channels: int | None = None  # default hidden / heads
     max_position_embeddings: int | None = None  # default seq_length
     position_embedding_type: str = "learned_absolute"  # or "rope"
-    rotary_base: float = 10000.0
+    rotary_base: float = 10000.0  # rope frequency base
     normalization: str = "LayerNorm"  # or "RMSNorm"
-    layernorm_epsilon: float = 1e-5
-    swiglu: bool = False
+    layernorm_epsilon: float = 1e-5  # added to the variance in LayerNorm / RMSNorm
+    swiglu: bool = False  # gated (SwiGLU) MLP instead of GeLU
     openai_gelu: bool = False  # GELU's tanh approximation (GPT-2's "gelu_new") instead of the exact erf form
-    add_bias_linear: bool = True
-    untie_embeddings_and_output_weights: bool = False
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    init_method_std: float = 0.02
+    add_bias_linear: bool = True  # biases in the attention and MLP projections
+    untie_embeddings_and_output_weights: bool = False  # a separate output head instead of the word embedding
+    hidden_dropout: float = 0.1  # dropout on the embeddings and the attention / MLP outputs
+    attention_dropout: float = 0.1  # dropout on the attention probabilities
+    init_method_std: float = 0.02  # std of the normal weight initialisation
     precision: str = "fp32"  # fp32 | bf16 | fp16
     recompute_granularity: str | None = None  # "full" or None
     recompute_method: str = "uniform"  # uniform | block
-    recompute_num_layers: int = 1
-    seed: int = 1234
+    recompute_num_layers: int = 1  # layers per recompute chunk (uniform) or recomputed layers per stage (block)
+    seed: int = 1234  # weights are initialised from (seed, parameter name)
 
     def __post_init__(self):
         defaults = {

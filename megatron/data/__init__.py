@@ -1,11 +1,11 @@
 """GPT pre-training data: Megatron's indexed datasets, sample indices, blending and data loading.
 
-The flags and configs (``add_data_args``, ``DataConfig``) and the indexed dataset need only numpy, so
-preprocessing tools import them without torch; the torch-based parts load on first use.
+The config (``DataConfig``, ``parse_blend``) and the indexed dataset need only numpy, so preprocessing
+tools import them without torch; the torch-based parts load on first use.
 """
 from importlib import import_module
 
-from megatron.data.config import DataConfig, add_data_args, data_config_from_args, parse_blend
+from megatron.data.config import DataConfig, parse_blend
 from megatron.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder, best_fitting_dtype
 
 _LAZY = {
@@ -18,8 +18,8 @@ _LAZY = {
     "MockGPTDataset": "megatron.data.mock_dataset",
 }
 
-__all__ = ["DataConfig", "add_data_args", "data_config_from_args", "parse_blend", "MMapIndexedDataset",
-           "MMapIndexedDatasetBuilder", "best_fitting_dtype", *_LAZY]
+__all__ = ["DataConfig", "parse_blend", "MMapIndexedDataset", "MMapIndexedDatasetBuilder", "best_fitting_dtype",
+           *_LAZY]
 
 
 def __getattr__(name: str):

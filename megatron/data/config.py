@@ -1,7 +1,6 @@
-"""Data flags (Megatron names), the typed ``DataConfig`` built from them, and blend parsing."""
+"""Where the training data comes from (``DataConfig``) and how a blend of datasets is written."""
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -9,26 +8,6 @@ from megatron.data.index_builders import split_boundaries
 from megatron.data.indexed_dataset import dataset_exists
 
 Blend = tuple[tuple[float, str], ...]  # (weight, prefix) pairs; weights not yet normalised
-
-
-def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    group = parser.add_argument_group("data")
-    group.add_argument("--data-path", nargs="*", default=None,
-                       help="one dataset prefix, or weights and prefixes: 0.3 A 0.7 B (split by --split)")
-    group.add_argument("--split", default="969,30,1",
-                       help="train,valid,test proportions of the documents of each --data-path dataset")
-    group.add_argument("--train-data-path", nargs="*", default=None, help="train data (prefix or blend)")
-    group.add_argument("--valid-data-path", nargs="*", default=None, help="validation data (prefix or blend)")
-    group.add_argument("--test-data-path", nargs="*", default=None, help="test data (prefix or blend)")
-    group.add_argument("--data-cache-path", default=None,
-                       help="directory for the cached sample indices (default: index-cache/ beside the data)")
-    group.add_argument("--mock-data", action="store_true", help="synthetic data; no files needed")
-    group.add_argument("--num-workers", type=int, default=2, help="data loader worker processes")
-    group.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
-    group.add_argument("--reset-position-ids", action="store_true", help="positions restart after each eod")
-    group.add_argument("--reset-attention-mask", action="store_true",
-                       help="tokens attend only within their own document")
-    return parser
 
 
 def parse_blend(values: Sequence[str] | None, flag: str) -> Blend | None:
@@ -59,17 +38,17 @@ def parse_blend(values: Sequence[str] | None, flag: str) -> Blend | None:
 
 @dataclass(frozen=True)
 class DataConfig:
-    data_path: Blend | None = None
-    split: str = "969,30,1"
-    train_data_path: Blend | None = None
-    valid_data_path: Blend | None = None
-    test_data_path: Blend | None = None
-    data_cache_path: str | None = None
-    mock_data: bool = False
-    num_workers: int = 2
-    eod_mask_loss: bool = False
-    reset_position_ids: bool = False
-    reset_attention_mask: bool = False
+    data_path: Blend | None = None  # one dataset or blend, split into train/valid/test by ``split``
+    split: str = "969,30,1"  # train,valid,test proportions of the documents of each ``data_path`` dataset
+    train_data_path: Blend | None = None  # training data given separately (instead of ``data_path``)
+    valid_data_path: Blend | None = None  # validation data, whole datasets (no split)
+    test_data_path: Blend | None = None  # test data, whole datasets (no split)
+    data_cache_path: str | None = None  # directory of the cached sample indices (None: index-cache/ beside the data)
+    mock_data: bool = False  # synthetic tokens; no files needed
+    num_workers: int = 2  # data loader worker processes
+    eod_mask_loss: bool = False  # no loss on end-of-document tokens
+    reset_position_ids: bool = False  # positions restart after each end-of-document token
+    reset_attention_mask: bool = False  # tokens attend only within their own document
     build_timeout_minutes: float = 10.0  # how long other ranks wait for rank 0 to build the index cache
 
     def __post_init__(self):
@@ -91,16 +70,3 @@ class DataConfig:
                 if not dataset_exists(prefix):
                     raise ValueError(f"{flag}: {prefix}.bin / {prefix}.idx not found (a prefix names "
                                             f"the output of tools/preprocess_data.py without the extension)")
-
-
-def data_config_from_args(args: argparse.Namespace) -> DataConfig:
-    timeout = getattr(args, "distributed_timeout_minutes", None)
-    return DataConfig(
-        data_path=parse_blend(args.data_path, "--data-path"), split=args.split,
-        train_data_path=parse_blend(args.train_data_path, "--train-data-path"),
-        valid_data_path=parse_blend(args.valid_data_path, "--valid-data-path"),
-        test_data_path=parse_blend(args.test_data_path, "--test-data-path"),
-        data_cache_path=args.data_cache_path, mock_data=args.mock_data, num_workers=args.num_workers,
-        eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask,
-        build_timeout_minutes=float(timeout) if timeout else DataConfig.build_timeout_minutes)

@@ -1,7 +1,6 @@
-"""Tokenizer flags (Megatron names), the typed config built from them, and ``build_tokenizer``."""
+"""Which tokenizer to build (``TokenizerConfig``) and ``build_tokenizer``."""
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,32 +14,13 @@ TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePie
                    "HFTokenizer", "NullTokenizer")
 
 
-def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    group = parser.add_argument_group("tokenizer")
-    group.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
-                       help="which tokenizer to use (the files it needs are given by the flags below)")
-    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
-    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
-    group.add_argument("--tokenizer-model", default=None,
-                       help="SentencePiece(GPT)Tokenizer: the .model file; HFTokenizer: tokenizer.json or its folder")
-    group.add_argument("--vocab-size", type=int, default=None,
-                       help="NullTokenizer: number of text ids (eod is the next id)")
-    return parser
-
-
 @dataclass(frozen=True)
 class TokenizerConfig:
-    tokenizer_type: str | None = None
-    vocab_file: str | None = None
-    merge_file: str | None = None
-    tokenizer_model: str | None = None
-    vocab_size: int | None = None
-
-
-def tokenizer_config_from_args(args: argparse.Namespace) -> TokenizerConfig:
-    return TokenizerConfig(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
-                           merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
-                           vocab_size=args.vocab_size)
+    tokenizer_type: str | None = None  # one of TOKENIZER_TYPES; the fields below name the files it needs
+    vocab_file: str | None = None  # GPT2BPETokenizer: vocab.json
+    merge_file: str | None = None  # GPT2BPETokenizer: merges.txt
+    tokenizer_model: str | None = None  # SentencePiece(GPT)Tokenizer: the .model file; HFTokenizer: tokenizer.json
+    vocab_size: int | None = None  # NullTokenizer: number of text ids (eod is the next id)
 
 
 def _require_file(value: str | None, flag: str, tokenizer_type: str, allow_dir: bool = False) -> str:

@@ -1,30 +1,95 @@
 """How gradients are synchronised and parameters updated: Megatron DDP + optimizer, or the zero_cache engine.
 
-The training loop only sees this small interface, so the same schedule and
-loop drive both: the backend holds the wrapped model (what the pipeline
-schedule runs), reduces gradients across data-parallel ranks, keeps tied
-embedding copies equal across pipeline stages, and steps the optimizer.
+The training loop sees only ``Backend``, so the same schedule and loop drive
+both: the backend holds the wrapped model (what the pipeline schedule runs),
+reduces gradients across data-parallel ranks, keeps tied embedding copies
+equal across pipeline stages, steps the optimizer and saves / loads its state.
 """
 from __future__ import annotations
 
+import abc
 import contextlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel
-from megatron.core.optimizer import get_megatron_optimizer
-from megatron.training.arguments import Config
+from megatron.core.optimizer import MegatronOptimizer, get_megatron_optimizer
 from megatron.training.checkpointing import CheckpointConfig, load_checkpoint, save_checkpoint
+from megatron.training.config import Config
+
+if TYPE_CHECKING:
+    from megatron.core.tensor_parallel import RNGStatesTracker
+    from megatron.training.lr_scheduler import OptimizerParamScheduler
+    from zero_cache import ZeroEngine
+    from zero_cache.comm import CommStepStats
 
 
 @dataclass(frozen=True)
-class StepResult:
-    update_successful: bool
-    grad_norm: float | None
-    loss_scale: float
+class BackendStepResult:
+    """What one optimizer step reports to the training loop."""
+    update_successful: bool  # False when the step was skipped (fp16 overflow, non-finite gradient norm)
+    grad_norm: float | None  # global gradient L2 norm before clipping; None or non-finite on a skipped step
+    loss_scale: float  # the loss scale this step's gradients were scaled by (1.0 without loss scaling)
+
+
+class Backend(abc.ABC):
+    """The training loop's view of gradient synchronisation and parameter updates.
+
+    ``model`` is what the pipeline schedule runs (called per micro-batch, ``train()``/``eval()``, the bare
+    model at ``model.module``); ``optimizer`` is the optimizer the learning-rate scheduler writes into, or
+    None when the backend takes the learning rate through ``step(lr)`` only.
+    """
+    model: torch.nn.Module | ZeroEngine
+    optimizer: MegatronOptimizer | None
+
+    @abc.abstractmethod
+    def zero_grad(self) -> None:
+        """Clear the gradients before the step's first micro-batch."""
+
+    @abc.abstractmethod
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss times the current loss scale, before backward."""
+
+    @abc.abstractmethod
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """A context in which backward holds back the data-parallel gradient reduction (all micro-batches
+        of a step but the last)."""
+
+    @abc.abstractmethod
+    def finish_grad_sync(self) -> None:
+        """Wait for the step's gradient reductions, including the tied embedding's across pipeline stages."""
+
+    @abc.abstractmethod
+    def step(self, lr: float) -> BackendStepResult:
+        """Update the parameters at learning rate ``lr`` (skipped on fp16 overflow)."""
+
+    @abc.abstractmethod
+    def save_checkpoint(self, cfg: CheckpointConfig, iteration: int, scheduler: OptimizerParamScheduler, *,
+                        consumed_samples: int, args: dict, rng_tracker: RNGStatesTracker) -> None:
+        """Write the model, optimizer, scheduler and RNG state of ``iteration`` under ``cfg.save``, with the
+        Megatron ``args`` dict the conversion tools read. Collective: every rank calls it."""
+
+    @abc.abstractmethod
+    def load_checkpoint(self, cfg: CheckpointConfig, scheduler: OptimizerParamScheduler,
+                        rng_tracker: RNGStatesTracker) -> tuple[int, int]:
+        """Restore the latest checkpoint under ``cfg.load``; returns (iteration, consumed samples), (0, 0)
+        when there is none or with ``cfg.finetune``."""
+
+    @abc.abstractmethod
+    def memory_tiers(self) -> dict[str, float]:
+        """Bytes of model states per memory tier, for the log line ({} when not tracked)."""
+
+    @abc.abstractmethod
+    def comm_stats(self) -> CommStepStats | None:
+        """The last step's collectives next to the ZeRO theory, for the log (None when not profiled)."""
+
+    @abc.abstractmethod
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's (tensor/pipeline-partitioned) weights as fp32 copies."""
 
 
 def allreduce_shared_embedding_grad(model: torch.nn.Module) -> None:
@@ -36,7 +101,7 @@ def allreduce_shared_embedding_grad(model: torch.nn.Module) -> None:
     dist.all_reduce(grad, group=ps.get_embedding_group())
 
 
-class MegatronBackend:
+class MegatronBackend(Backend):
     """Bucketed data-parallel all-reduce overlapped with backward, then a (mixed-precision) AdamW step."""
 
     def __init__(self, cfg: Config, model: torch.nn.Module):
@@ -67,10 +132,10 @@ class MegatronBackend:
         self.model.finish_grad_sync()
         allreduce_shared_embedding_grad(self.module)
 
-    def step(self, lr: float) -> StepResult:
+    def step(self, lr: float) -> BackendStepResult:
         self.optimizer.set_lr(lr)
         ok, grad_norm, _ = self.optimizer.step()
-        return StepResult(ok, grad_norm, self.optimizer.get_loss_scale())
+        return BackendStepResult(ok, grad_norm, self.optimizer.get_loss_scale())
 
     def memory_tiers(self) -> dict[str, float]:
         return {}
@@ -80,22 +145,21 @@ class MegatronBackend:
         return None
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's (TP/PP-partitioned) weights, as fp32 copies."""
         return {n: p.detach().float().clone() for n, p in self.module.named_parameters()}
 
 
 def build_model(cfg: Config, model_provider, model_cfg, rng_tracker, device: torch.device) -> torch.nn.Module:
     """The model on ``device``; under --deepspeed it is built without memory and the engine fills it chunk
     by chunk (a model bigger than host memory can be trained), see zero_backend.build_lazy_model."""
-    if cfg.zero.enabled:
+    if cfg.deepspeed.enabled:
         from megatron.training.zero_backend import build_lazy_model
         return build_lazy_model(model_provider, model_cfg, rng_tracker, device)
     return model_provider(model_cfg, rng_tracker).to(device)
 
 
-def build_backend(cfg: Config, model: torch.nn.Module):
+def build_backend(cfg: Config, model: torch.nn.Module) -> Backend:
     """The zero_cache engine under --deepspeed, else Megatron's DDP + optimizer."""
-    if cfg.zero.enabled:
+    if cfg.deepspeed.enabled:
         from megatron.training.zero_backend import ZeroBackend
         return ZeroBackend(cfg, model)
     return MegatronBackend(cfg, model)

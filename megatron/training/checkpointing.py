@@ -13,7 +13,6 @@ written, so a crash mid-save leaves the previous checkpoint as the one loaded.
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import random
@@ -36,34 +35,17 @@ _MP_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    save: str | None
-    load: str | None
-    save_interval: int | None
-    no_save_optim: bool = False
-    no_load_optim: bool = False
-    no_load_rng: bool = False
-    finetune: bool = False
+    save: str | None  # directory to save checkpoints to (None: no saving)
+    load: str | None  # directory to load the latest checkpoint from (None: start from scratch)
+    save_interval: int | None  # iterations between saves (None: save at the end of training only)
+    no_save_optim: bool = False  # leave optimizer and scheduler state out of saved checkpoints
+    no_load_optim: bool = False  # do not restore optimizer and scheduler state
+    no_load_rng: bool = False  # do not restore the RNG states
+    finetune: bool = False  # restore the weights only and start at iteration 0
 
-
-def add_checkpoint_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    g = parser.add_argument_group("checkpointing")
-    g.add_argument("--save", type=str, default=None, help="directory to save checkpoints to")
-    g.add_argument("--load", type=str, default=None, help="directory to load the latest checkpoint from")
-    g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoint saves")
-    g.add_argument("--no-save-optim", action="store_true", help="do not save optimizer and scheduler state")
-    g.add_argument("--no-load-optim", action="store_true", help="do not load optimizer and scheduler state")
-    g.add_argument("--no-load-rng", action="store_true", help="do not load RNG states")
-    g.add_argument("--finetune", action="store_true",
-                   help="load model weights only; start at iteration 0 with fresh optimizer, scheduler and RNG")
-    return parser
-
-
-def checkpoint_config_from_args(args: argparse.Namespace) -> CheckpointConfig:
-    if args.save_interval is not None and args.save_interval < 1:
-        raise ValueError(f"--save-interval must be >= 1 (got {args.save_interval})")
-    return CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
-                            no_save_optim=args.no_save_optim, no_load_optim=args.no_load_optim,
-                            no_load_rng=args.no_load_rng, finetune=args.finetune)
+    def __post_init__(self):
+        if self.save_interval is not None and self.save_interval < 1:
+            raise ValueError(f"--save-interval must be >= 1 (got {self.save_interval})")
 
 
 # ----- paths -----

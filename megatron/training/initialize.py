@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import RNGStatesTracker, model_parallel_manual_seed
-from megatron.training.arguments import ParallelConfig
+from megatron.training.config import ParallelConfig
 
 
 def _free_port() -> str:

@@ -16,13 +16,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import p2p_communication as p2p
 from megatron.core.pipeline_parallel.schedules import ForwardStepFunc, forward_backward
-from megatron.core.transformer_config import TransformerConfig
 from megatron.data import build_pretraining_data_loader
 from megatron.tokenizer import build_tokenizer
-from megatron.training.arguments import Config, ConfigError, transformer_config_from_args
-from megatron.training.backend import build_backend, build_model
+from megatron.training.backend import Backend, BackendStepResult, build_backend, build_model
+from megatron.training.config import Config, ConfigError
 from megatron.training.initialize import initialize_distributed, set_random_seed
-from megatron.training.lr_scheduler import scheduler_from_args
+from megatron.training.lr_scheduler import OptimizerParamScheduler
 from megatron.training.train_log import TrainLogger
 
 
@@ -33,7 +32,7 @@ class TrainResult:
     skipped_iterations: list[int] = field(default_factory=list)  # fp16 overflow / non-finite grad norm
     loss_scales: dict[int, float] = field(default_factory=dict)
     model: torch.nn.Module | None = None
-    backend: object | None = None  # MegatronBackend or ZeroBackend: local_state_dict(), memory_tiers()
+    backend: Backend | None = None
 
 
 def num_samples(cfg: Config) -> tuple[int, int, int]:
@@ -57,8 +56,8 @@ def _average_losses(stats: list[dict], key: str = "lm loss") -> float | None:
     return local.item() / ps.get_data_parallel_world_size()
 
 
-def train_step(backend, forward_step_func: ForwardStepFunc, data_iterator,
-               spec: p2p.TensorSpec, num_microbatches: int, lr: float):
+def train_step(backend: Backend, forward_step_func: ForwardStepFunc, data_iterator, spec: p2p.TensorSpec,
+               num_microbatches: int, lr: float) -> tuple[float | None, BackendStepResult]:
     backend.zero_grad()
     stats = forward_backward(forward_step_func, data_iterator, backend.model, num_microbatches=num_microbatches,
                              spec=spec, grad_scale_func=backend.scale_loss, no_sync=backend.no_sync)
@@ -67,7 +66,7 @@ def train_step(backend, forward_step_func: ForwardStepFunc, data_iterator,
     return _average_losses(stats), result
 
 
-def evaluate(backend, forward_step_func: ForwardStepFunc, data_iterator, spec: p2p.TensorSpec,
+def evaluate(backend: Backend, forward_step_func: ForwardStepFunc, data_iterator, spec: p2p.TensorSpec,
              num_microbatches: int, eval_iters: int) -> float | None:
     backend.model.eval()
     losses = []
@@ -80,26 +79,6 @@ def evaluate(backend, forward_step_func: ForwardStepFunc, data_iterator, spec: p
     return sum(losses) / len(losses) if ps.is_pipeline_last_stage() else None
 
 
-def checkpoint_args(cfg: Config, model_cfg: TransformerConfig) -> dict:
-    """The plain ``args`` dict stored in checkpoints (Megatron's names), as conversion tools expect."""
-    a = cfg.args
-    out = {k: v for k, v in vars(a).items() if isinstance(v, (int, float, str, bool, type(None)))}
-    out.update(
-        num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size, ffn_hidden_size=model_cfg.ffn_hidden_size,
-        num_attention_heads=model_cfg.num_attention_heads, num_query_groups=model_cfg.num_query_groups,
-        kv_channels=model_cfg.kv_channels, seq_length=model_cfg.seq_length,
-        max_position_embeddings=model_cfg.max_position_embeddings, padded_vocab_size=model_cfg.padded_vocab_size,
-        position_embedding_type=model_cfg.position_embedding_type, normalization=model_cfg.normalization,
-        swiglu=model_cfg.swiglu, add_bias_linear=model_cfg.add_bias_linear,
-        untie_embeddings_and_output_weights=model_cfg.untie_embeddings_and_output_weights,
-        layernorm_epsilon=model_cfg.layernorm_epsilon, rotary_base=model_cfg.rotary_base,
-        tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
-        pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
-        data_parallel_size=cfg.parallel.data_parallel_size,
-    )
-    return out
-
-
 def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
              forward_step_provider: Callable[..., ForwardStepFunc]) -> TrainResult:
     """Train ``model_provider(model_cfg, rng_tracker)`` on ``datasets_provider(cfg, tokenizer, seq, samples)``,
@@ -110,15 +89,12 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
         tokenizer = build_tokenizer(cfg.tokenizer)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
-    model_cfg = transformer_config_from_args(cfg.args, tokenizer.vocab_size)
+    model_cfg = cfg.model.transformer_config(tokenizer.vocab_size, cfg.parallel.tensor_model_parallel_size)
     # The zero_cache engine keeps fp32 masters itself and casts the compute copies: give it an fp32 model.
-    build_cfg = dataclasses.replace(model_cfg, precision="fp32") if cfg.zero.enabled else model_cfg
+    build_cfg = dataclasses.replace(model_cfg, precision="fp32") if cfg.deepspeed.enabled else model_cfg
     model = build_model(cfg, model_provider, build_cfg, rng_tracker, device)
     backend = build_backend(cfg, model)
-    try:
-        scheduler = scheduler_from_args(cfg.args, backend.optimizer, cfg.train.train_iters)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    scheduler = OptimizerParamScheduler(backend.optimizer, cfg.scheduler)
     iteration, consumed = backend.load_checkpoint(cfg.checkpoint, scheduler, rng_tracker)
 
     forward_step_func = forward_step_provider(cfg, tokenizer, device)
@@ -144,7 +120,7 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
         print(f"> model: {model_cfg.num_parameters() / 1e6:.2f}M parameters, mesh TP={par.tensor_model_parallel_size} "
               f"PP={par.pipeline_model_parallel_size} DP={par.data_parallel_size}, {par.num_microbatches} "
               f"micro-batches of {par.micro_batch_size} per step, starting at iteration {iteration}", flush=True)
-    ckpt_args = checkpoint_args(cfg, model_cfg)
+    ckpt_args = cfg.to_megatron_args(model_cfg)
 
     def save(it: int, consumed_samples: int) -> None:
         backend.save_checkpoint(cfg.checkpoint, it, scheduler, consumed_samples=consumed_samples, args=ckpt_args,

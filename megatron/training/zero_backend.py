@@ -18,7 +18,7 @@ import zero_cache
 from megatron.core import parallel_state as ps
 from megatron.core.deferred_init import initial_value
 from megatron.core.tensor_parallel import param_is_tensor_parallel_duplicate
-from megatron.training.arguments import Config, ConfigError
+from megatron.training.backend import Backend, BackendStepResult
 from megatron.training.checkpointing import (
     CheckpointConfig,
     get_rng_state,
@@ -27,6 +27,7 @@ from megatron.training.checkpointing import (
     to_plain,
     write_tracker,
 )
+from megatron.training.config import Config, ConfigError
 
 
 def _agree(ds: dict, key: str, value, flag: str) -> None:
@@ -38,18 +39,18 @@ def _agree(ds: dict, key: str, value, flag: str) -> None:
 
 
 def deepspeed_config(cfg: Config) -> dict:
-    with open(cfg.zero.config_path, encoding="utf-8") as f:
+    with open(cfg.deepspeed.config_path, encoding="utf-8") as f:
         try:
             ds = json.load(f)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"--deepspeed_config {cfg.zero.config_path}: invalid JSON ({e})") from None
+            raise ConfigError(f"--deepspeed_config {cfg.deepspeed.config_path}: invalid JSON ({e})") from None
     par, o = cfg.parallel, cfg.optimizer
     _agree(ds, "train_micro_batch_size_per_gpu", par.micro_batch_size, "--micro-batch-size")
     _agree(ds, "gradient_accumulation_steps", par.num_microbatches,
            "--global-batch-size / (--micro-batch-size x data-parallel size)")
     _agree(ds, "train_batch_size", par.global_batch_size, "--global-batch-size")
-    if cfg.zero.zero_stage is not None:
-        ds.setdefault("zero_optimization", {})["stage"] = cfg.zero.zero_stage
+    if cfg.deepspeed.zero_stage is not None:
+        ds.setdefault("zero_optimization", {})["stage"] = cfg.deepspeed.zero_stage
     for key, on in (("bf16", o.bf16), ("fp16", o.fp16)):
         block = ds.setdefault(key, {})
         if "enabled" in block and bool(block["enabled"]) != on:
@@ -66,6 +67,14 @@ def deepspeed_config(cfg: Config) -> dict:
     return ds
 
 
+def check_deepspeed_config(cfg: Config) -> None:
+    """Parse the merged config as the engine will, so a bad JSON fails before start-up."""
+    try:
+        zero_cache.parse_config(deepspeed_config(cfg), cfg.parallel.data_parallel_size)
+    except zero_cache.ZeroConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
 def build_lazy_model(model_provider, model_cfg, rng_tracker, device: torch.device) -> torch.nn.Module:
     """Build on the meta device (no memory), then give the parameters storage-less tensors on ``device``;
     ``zero_cache.initialize(param_init=initial_value)`` materialises them one chunk at a time."""
@@ -74,13 +83,16 @@ def build_lazy_model(model_provider, model_cfg, rng_tracker, device: torch.devic
     return zero_cache.storage_less_parameters(model, device)
 
 
-class ZeroBackend:
-    """The zero_cache engine behind the trainer's backend interface (see backend.py)."""
+def step_result(result: zero_cache.StepResult) -> BackendStepResult:
+    """The engine's step report as the training loop's."""
+    return BackendStepResult(update_successful=not result.skipped, grad_norm=result.grad_norm,
+                             loss_scale=result.loss_scale)
+
+
+class ZeroBackend(Backend):
+    """The zero_cache engine behind the trainer's ``Backend``; the engine owns the optimizer."""
 
     def __init__(self, cfg: Config, model: torch.nn.Module):
-        if cfg.args.start_weight_decay is not None or cfg.args.end_weight_decay is not None:
-            raise ConfigError("--start-weight-decay/--end-weight-decay are not supported with --deepspeed "
-                              "(the engine uses a constant --weight-decay); drop them")
         self.module = model
         decay = [p for p in model.parameters() if p.ndim >= 2]
         no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -117,8 +129,8 @@ class ZeroBackend:
     def finish_grad_sync(self) -> None:
         """step() waits for the outstanding reduce-scatters and syncs tied embeddings."""
 
-    def step(self, lr: float):
-        return self.model.step(lr=lr)
+    def step(self, lr: float) -> BackendStepResult:
+        return step_result(self.model.step(lr=lr))
 
     def save_checkpoint(self, cfg: CheckpointConfig, iteration: int, scheduler, *, consumed_samples: int,
                         args: dict, rng_tracker) -> None:
@@ -146,7 +158,7 @@ class ZeroBackend:
         return int(client["iteration"]), int(client["consumed_samples"])
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's (TP/PP-partitioned) weights in fp32, gathered over the data-parallel group."""
+        """Gathered over the data-parallel group (each rank holds 1/N of every shard)."""
         return self.model.gather_state_dict(rank0_only=False)
 
     def memory_tiers(self) -> dict[str, float]:

@@ -1,4 +1,5 @@
 """save_checkpoint / load_checkpoint: Megatron layout, exact round trip, atomicity and clear errors."""
+import argparse
 import os
 
 import pytest
@@ -6,6 +7,7 @@ import torch
 
 from megatron.model.gpt_model import GPTModel
 from megatron.training import checkpointing as ckpt
+from megatron.training.arguments.checkpoint import add_checkpoint_args, checkpoint_config_from_args
 from megatron.training.checkpointing import CheckpointConfig, CheckpointError, load_checkpoint, save_checkpoint
 from tests.checkpoint.common import (
     CONFIGS,
@@ -166,10 +168,9 @@ def test_non_plain_state_is_rejected_at_save_time(single_rank, tmp_path):
 
 
 def test_checkpoint_args_parse():
-    import argparse
-    parser = ckpt.add_checkpoint_args(argparse.ArgumentParser())
+    parser = add_checkpoint_args(argparse.ArgumentParser())
     a = parser.parse_args(["--save", "s", "--load", "l", "--save-interval", "5", "--no-save-optim", "--finetune"])
-    assert ckpt.checkpoint_config_from_args(a) == CheckpointConfig(save="s", load="l", save_interval=5,
-                                                                   no_save_optim=True, finetune=True)
+    assert checkpoint_config_from_args(a) == CheckpointConfig(save="s", load="l", save_interval=5,
+                                                              no_save_optim=True, finetune=True)
     with pytest.raises(ValueError, match="--save-interval must be >= 1"):
-        ckpt.checkpoint_config_from_args(parser.parse_args(["--save-interval", "0"]))
+        checkpoint_config_from_args(parser.parse_args(["--save-interval", "0"]))

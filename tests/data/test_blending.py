@@ -6,10 +6,11 @@ import argparse
 import numpy as np
 import pytest
 
-from megatron.data import DataConfig, add_data_args, build_train_valid_test_datasets, data_config_from_args, parse_blend
+from megatron.data import DataConfig, build_train_valid_test_datasets, parse_blend
 from megatron.data.blendable_dataset import BlendableDataset, samples_per_dataset
 from megatron.data.gpt_dataset import GPTDataset
 from megatron.data.index_builders import build_blending_indices
+from megatron.training.arguments.data import add_data_args, data_config_from_args
 from tests.data.common import make_dataset
 
 

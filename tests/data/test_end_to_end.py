@@ -6,13 +6,10 @@ import argparse
 import pytest
 import torch
 
-from megatron.data import (
-    add_data_args,
-    build_pretraining_data_loader,
-    build_train_valid_test_datasets,
-    data_config_from_args,
-)
-from megatron.tokenizer import add_tokenizer_args, build_tokenizer, tokenizer_config_from_args
+from megatron.data import build_pretraining_data_loader, build_train_valid_test_datasets
+from megatron.tokenizer import build_tokenizer
+from megatron.training.arguments.data import add_data_args, data_config_from_args
+from megatron.training.arguments.tokenizer import add_tokenizer_args, tokenizer_config_from_args
 from tools import make_sample_corpus, preprocess_data, train_tokenizer
 
 pytestmark = pytest.mark.multiprocess

@@ -9,13 +9,7 @@ import pytest
 import regex
 from tokenizers import ByteLevelBPETokenizer, pre_tokenizers
 
-from megatron.tokenizer import (
-    GPT2BPETokenizer,
-    TokenizerConfig,
-    add_tokenizer_args,
-    build_tokenizer,
-    tokenizer_config_from_args,
-)
+from megatron.tokenizer import GPT2BPETokenizer, TokenizerConfig, build_tokenizer
 from megatron.tokenizer.byte_level import (
     LETTER_CLASS,
     NUMBER_CLASS,
@@ -24,6 +18,7 @@ from megatron.tokenizer.byte_level import (
     bytes_to_unicode,
     unicode16_pattern,
 )
+from megatron.training.arguments.tokenizer import add_tokenizer_args, tokenizer_config_from_args
 from tests.data.conftest import MULTILINGUAL, varied_corpus, write_jsonl
 from tools import train_tokenizer
 

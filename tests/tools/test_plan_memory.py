@@ -168,7 +168,7 @@ def test_gpu_node_offloads_only_what_does_not_fit(capsys):
 
 
 def test_written_config_parses_and_args_are_accepted_by_the_trainer(tmp_path, capsys):
-    from megatron.training.arguments import parse_args, transformer_config_from_args
+    from megatron.training.arguments import parse_args
     from zero_cache import parse_config
 
     ds, args = tmp_path / "ds.json", tmp_path / "args.txt"
@@ -184,11 +184,11 @@ def test_written_config_parses_and_args_are_accepted_by_the_trainer(tmp_path, ca
     words = args.read_text().split("\n")[:-1]
     trainer_only = ["--train-iters", "1", "--lr", "1e-4", "--mock-data", "--deepspeed", "--deepspeed_config", str(ds)]
     parsed = parse_args(words + trainer_only, world_size=2)
-    model = transformer_config_from_args(parsed.args, 50257)
+    model = parsed.model.transformer_config(50257, parsed.parallel.tensor_model_parallel_size)
     assert (model.num_layers, model.hidden_size, model.num_attention_heads, model.ffn_hidden_size) == \
         (32, 2560, 32, 10240)
     assert parsed.parallel.micro_batch_size == int(words[words.index("--micro-batch-size") + 1])
-    assert parsed.args.recompute_granularity == ("full" if "--recompute-granularity" in words else None)
+    assert parsed.model.recompute_granularity == ("full" if "--recompute-granularity" in words else None)
 
 
 def test_tensor_and_pipeline_parallel_plan_each_stage(capsys):

@@ -6,8 +6,10 @@ import math
 import pytest
 import torch
 
-from megatron.core.optimizer import OptimizerConfig, add_optimizer_args, get_megatron_optimizer
-from megatron.training.lr_scheduler import OptimizerParamScheduler, add_scheduler_args, scheduler_from_args
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.training.arguments.optimizer import add_optimizer_args
+from megatron.training.arguments.scheduler import add_scheduler_args, scheduler_config_from_args
+from megatron.training.lr_scheduler import OptimizerParamScheduler, SchedulerConfig
 
 MAX_LR, MIN_LR, INIT_LR, WARMUP, DECAY = 1e-3, 1e-4, 1e-5, 10, 110
 
@@ -21,7 +23,7 @@ def _scheduler(style, **kw):
     args = dict(init_lr=INIT_LR, max_lr=MAX_LR, min_lr=MIN_LR, lr_warmup_steps=WARMUP, lr_decay_steps=DECAY,
                 lr_decay_style=style, start_wd=0.1, end_wd=0.1, wd_incr_steps=DECAY)
     args.update(kw)
-    return OptimizerParamScheduler(_optimizer(), **args)
+    return OptimizerParamScheduler(_optimizer(), SchedulerConfig(**args))
 
 
 def _lr_at(sched, step):
@@ -89,13 +91,13 @@ def test_state_dict_resumes_and_checkpoint_settings_win(caplog):
     changed = _scheduler("linear", max_lr=2e-3)
     with caplog.at_level(logging.WARNING):
         changed.load_state_dict(state)
-    assert changed.max_lr == MAX_LR and changed.lr_decay_style == "cosine"
+    assert changed.config.max_lr == MAX_LR and changed.config.lr_decay_style == "cosine"
     assert "max_lr" in caplog.text and "lr_decay_style" in caplog.text
     assert changed.get_lr() == pytest.approx(sched.get_lr())
 
     kept = _scheduler("linear", max_lr=2e-3, override_opt_param_scheduler=True)
     kept.load_state_dict(state)
-    assert kept.max_lr == 2e-3 and kept.lr_decay_style == "linear" and kept.num_steps == 42
+    assert kept.config.max_lr == 2e-3 and kept.config.lr_decay_style == "linear" and kept.num_steps == 42
 
 
 def test_bad_schedules_are_rejected():
@@ -114,24 +116,29 @@ def _parse(argv):
     return parser.parse_args(["--lr", "1e-3", "--min-lr", "1e-4"] + argv)
 
 
-def test_scheduler_from_args():
-    sched = scheduler_from_args(_parse(["--lr-warmup-fraction", "0.1", "--lr-decay-style", "cosine"]),
-                                _optimizer(), train_iters=200)
-    assert (sched.lr_warmup_steps, sched.lr_decay_steps, sched.lr_decay_style) == (20, 200, "cosine")
-    assert sched.start_wd == sched.end_wd == 0.01 and sched.wd_incr_steps == 200
+def _scheduler_from_args(argv, train_iters):
+    return OptimizerParamScheduler(_optimizer(), scheduler_config_from_args(_parse(argv), train_iters))
 
-    sched = scheduler_from_args(_parse(["--lr-warmup-iters", "5", "--lr-decay-iters", "50",
-                                        "--weight-decay-incr-style", "linear", "--start-weight-decay", "0.0",
-                                        "--end-weight-decay", "0.1"]), _optimizer(), train_iters=100)
-    assert (sched.lr_warmup_steps, sched.lr_decay_steps, sched.end_wd, sched.wd_incr_style) == (5, 50, 0.1, "linear")
+
+def test_scheduler_from_args():
+    sched = _scheduler_from_args(["--lr-warmup-fraction", "0.1", "--lr-decay-style", "cosine"], train_iters=200)
+    c = sched.config
+    assert (c.lr_warmup_steps, c.lr_decay_steps, c.lr_decay_style) == (20, 200, "cosine")
+    assert c.start_wd == c.end_wd == 0.01 and c.wd_incr_steps == 200
+
+    sched = _scheduler_from_args(["--lr-warmup-iters", "5", "--lr-decay-iters", "50", "--weight-decay-incr-style",
+                                  "linear", "--start-weight-decay", "0.0", "--end-weight-decay", "0.1"],
+                                 train_iters=100)
+    c = sched.config
+    assert (c.lr_warmup_steps, c.lr_decay_steps, c.end_wd, c.wd_incr_style) == (5, 50, 0.1, "linear")
     sched.step(50)
     assert sched.get_lr() == pytest.approx(1e-4) and sched.get_wd() == pytest.approx(0.05)
 
 
 def test_scheduler_from_args_errors():
     with pytest.raises(ValueError, match="exclusive"):
-        scheduler_from_args(_parse(["--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"]), _optimizer(), 100)
+        scheduler_config_from_args(_parse(["--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"]), 100)
     with pytest.raises(ValueError, match="needs both"):
-        scheduler_from_args(_parse(["--weight-decay-incr-style", "cosine"]), _optimizer(), 100)
+        scheduler_config_from_args(_parse(["--weight-decay-incr-style", "cosine"]), 100)
     with pytest.raises(ValueError, match="incr-style linear or cosine"):
-        scheduler_from_args(_parse(["--end-weight-decay", "0.1"]), _optimizer(), 100)
+        scheduler_config_from_args(_parse(["--end-weight-decay", "0.1"]), 100)

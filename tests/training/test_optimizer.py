@@ -15,11 +15,10 @@ from megatron.core.optimizer import (
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,
     OptimizerConfig,
-    add_optimizer_args,
     get_megatron_optimizer,
-    optimizer_config_from_args,
 )
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.training.arguments.optimizer import add_optimizer_args, optimizer_config_from_args
 from tests.dist_utils import run_distributed
 
 

@@ -1,26 +1,25 @@
-"""Optimizer settings (Adam, clipping, loss scaling), built once from the command line."""
+"""Optimizer settings: AdamW, gradient clipping and fp16 loss scaling."""
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    lr: float
-    min_lr: float = 0.0
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0  # 0 disables clipping (the norm is still computed and reported)
-    fp16: bool = False
-    bf16: bool = False
+    lr: float  # peak learning rate; the scheduler writes the current one into the param groups
+    min_lr: float = 0.0  # learning rate at the end of the decay
+    weight_decay: float = 0.01  # AdamW decoupled weight decay, on parameters with >= 2 dimensions only
+    adam_beta1: float = 0.9  # decay of the first-moment (gradient) average
+    adam_beta2: float = 0.999  # decay of the second-moment (squared gradient) average
+    adam_eps: float = 1e-8  # added to the second moment's square root
+    clip_grad: float = 1.0  # max global L2 norm; 0 disables clipping (the norm is still computed and reported)
+    fp16: bool = False  # fp16 parameters with fp32 master weights and loss scaling
+    bf16: bool = False  # bf16 parameters with fp32 master weights
     loss_scale: float | None = None  # fp16 only: None = dynamic loss scaling, else this constant scale
-    initial_loss_scale: float = 2.0 ** 32
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
+    initial_loss_scale: float = 2.0 ** 32  # fp16: the first dynamic loss scale
+    min_loss_scale: float = 1.0  # fp16: the dynamic loss scale never goes below this
+    loss_scale_window: int = 1000  # fp16: overflow-free steps before the dynamic scale doubles
+    hysteresis: int = 2  # fp16: overflows tolerated before the dynamic scale halves
 
     def __post_init__(self):
         if self.fp16 and self.bf16:
@@ -46,36 +45,3 @@ class OptimizerConfig:
         if self.loss_scale_window < 1 or self.hysteresis < 1:
             raise ValueError(f"--loss-scale-window ({self.loss_scale_window}) and --hysteresis ({self.hysteresis}) "
                              "must be >= 1")
-
-
-def add_optimizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron's optimizer and loss-scaling flags (--fp16/--bf16 live in the precision group)."""
-    g = parser.add_argument_group("optimizer")
-    g.add_argument("--lr", type=float, default=None, help="peak learning rate (after warm-up)")
-    g.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay")
-    g.add_argument("--weight-decay", type=float, default=0.01,
-                   help="AdamW decoupled weight decay, applied to parameters with >= 2 dimensions only")
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0, help="clip the global gradient L2 norm; 0 disables")
-    g.add_argument("--loss-scale", type=float, default=None,
-                   help="fp16: constant loss scale; omit for dynamic loss scaling")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32, help="fp16: first dynamic loss scale")
-    g.add_argument("--min-loss-scale", type=float, default=1.0, help="fp16: dynamic loss scale floor")
-    g.add_argument("--loss-scale-window", type=int, default=1000,
-                   help="fp16: overflow-free steps before the dynamic loss scale doubles")
-    g.add_argument("--hysteresis", type=int, default=2,
-                   help="fp16: overflows tolerated before the dynamic loss scale halves")
-    return parser
-
-
-def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:
-    if args.lr is None:
-        raise ValueError("--lr is required (the peak learning rate, e.g. --lr 3e-4)")
-    return OptimizerConfig(
-        lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
-        fp16=bool(getattr(args, "fp16", False)), bf16=bool(getattr(args, "bf16", False)),
-        loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
-        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis)

@@ -15,7 +15,7 @@ import argparse
 import sys
 
 from megatron.data.preprocess.job import preprocess
-from megatron.tokenizer import add_tokenizer_args
+from megatron.training.arguments.tokenizer import add_tokenizer_args
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -22,7 +22,8 @@ from megatron.data.preprocess.document_encoder import EncoderSettings
 from megatron.data.preprocess.jsonl_reader import expand_inputs, plan_partitions, read_chunks
 from megatron.data.preprocess.partition import PartitionJob, PartitionStats, run_partition
 from megatron.data.preprocess.sentence_splitter import installed_punkt_params, punkt_params_blob, train_punkt_params
-from megatron.tokenizer import build_tokenizer, tokenizer_config_from_args
+from megatron.tokenizer import build_tokenizer
+from megatron.training.arguments.tokenizer import tokenizer_config_from_args
 
 CHUNK_BYTES = 1 << 20
 

@@ -1,0 +1,62 @@
+"""Model shape, precision and activation-recompute flags -> ``ModelConfig``."""
+from __future__ import annotations
+
+import argparse
+
+from megatron.training.config import ModelConfig
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, required=True)
+    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
+    g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g = parser.add_argument_group("precision and recompute")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--recompute-granularity", choices=["full"], default=None)
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
+    g.add_argument("--recompute-num-layers", type=int, default=1)
+    g.add_argument("--checkpoint-activations", action="store_true", help="legacy alias of --recompute-granularity full")
+    return parser
+
+
+def _precision(args: argparse.Namespace) -> str:
+    """fp16 | bf16 | fp32, from --fp16 / --bf16."""
+    if args.fp16 and args.bf16:
+        raise ValueError("--fp16 and --bf16 are mutually exclusive; pick one")
+    return "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
+
+
+def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
+    """Reads --seed of the training flags too (weights are initialised from it)."""
+    return ModelConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length, ffn_hidden_size=args.ffn_hidden_size, num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels, max_position_embeddings=args.max_position_embeddings,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+        normalization=args.normalization, layernorm_epsilon=args.norm_epsilon, swiglu=args.swiglu,
+        add_bias_linear=not args.disable_bias_linear,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std, precision=_precision(args),
+        recompute_granularity="full" if args.checkpoint_activations else args.recompute_granularity,
+        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers, seed=args.seed)

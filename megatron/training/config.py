@@ -1,0 +1,173 @@
+"""The trainer's configuration: typed, frozen, built once by ``arguments.parse_args`` and passed explicitly.
+
+The subsystems' own configs live next to their code (``OptimizerConfig``, ``SchedulerConfig``,
+``DataConfig``, ``TokenizerConfig``, ``CheckpointConfig``); ``Config`` bundles them with the ones here.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from megatron.core.optimizer.config import OptimizerConfig
+from megatron.core.transformer_config import TransformerConfig
+from megatron.data.config import DataConfig
+from megatron.tokenizer.config import TokenizerConfig
+from megatron.training.checkpointing import CheckpointConfig
+from megatron.training.lr_scheduler import SchedulerConfig
+
+FlagValue = int | float | str | bool | None
+
+
+class ConfigError(ValueError):
+    """Bad command line: printed as one line, exit code 2."""
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_model_parallel_size: int) -> int:
+    """Pad the vocabulary so every tensor-parallel shard of the embedding has the same, aligned size."""
+    multiple = divisible_by * tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model's shape and numerics from the command line: a ``TransformerConfig`` but for the padded
+    vocabulary, which is known once the tokenizer is built (see ``transformer_config``)."""
+    num_layers: int  # transformer layers of the whole model
+    hidden_size: int  # width of the residual stream
+    num_attention_heads: int
+    seq_length: int  # tokens per sample
+    ffn_hidden_size: int | None = None  # None: 4 x hidden_size
+    num_query_groups: int | None = None  # grouped-query attention; None: one group per head
+    kv_channels: int | None = None  # None: hidden_size / num_attention_heads
+    max_position_embeddings: int | None = None  # None: seq_length
+    make_vocab_size_divisible_by: int = 128  # each tensor-parallel shard of the vocabulary is a multiple of this
+    position_embedding_type: str = "learned_absolute"  # or "rope"
+    rotary_base: float = 10000.0  # rope frequency base
+    normalization: str = "LayerNorm"  # or "RMSNorm"
+    layernorm_epsilon: float = 1e-5  # --norm-epsilon
+    swiglu: bool = False  # gated (SwiGLU) MLP instead of GeLU
+    add_bias_linear: bool = True  # biases in the attention and MLP projections
+    untie_embeddings_and_output_weights: bool = False  # a separate output head instead of the word embedding
+    hidden_dropout: float = 0.1  # dropout on the embeddings and the attention / MLP outputs
+    attention_dropout: float = 0.1  # dropout on the attention probabilities
+    init_method_std: float = 0.02  # std of the normal weight initialisation
+    precision: str = "fp32"  # parameter dtype: fp32 | bf16 | fp16
+    recompute_granularity: str | None = None  # "full": recompute each layer's activations in backward
+    recompute_method: str = "uniform"  # uniform | block
+    recompute_num_layers: int = 1  # layers per recompute chunk (uniform) or recomputed layers per stage (block)
+    seed: int = 1234  # weights are initialised from (seed, parameter name)
+
+    def __post_init__(self):
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(self, name)})")
+        # TransformerConfig checks the shape now, so a bad one fails before start-up; no check reads the vocabulary.
+        self.transformer_config(vocab_size=1, tensor_model_parallel_size=1)
+
+    def transformer_config(self, vocab_size: int, tensor_model_parallel_size: int) -> TransformerConfig:
+        """The model for a tokenizer of ``vocab_size`` ids, its vocabulary padded for the tensor-parallel size."""
+        return TransformerConfig(
+            num_layers=self.num_layers, hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
+            seq_length=self.seq_length,
+            padded_vocab_size=padded_vocab_size(vocab_size, self.make_vocab_size_divisible_by,
+                                                tensor_model_parallel_size),
+            ffn_hidden_size=self.ffn_hidden_size, num_query_groups=self.num_query_groups, kv_channels=self.kv_channels,
+            max_position_embeddings=self.max_position_embeddings, position_embedding_type=self.position_embedding_type,
+            rotary_base=self.rotary_base, normalization=self.normalization, layernorm_epsilon=self.layernorm_epsilon,
+            swiglu=self.swiglu, add_bias_linear=self.add_bias_linear,
+            untie_embeddings_and_output_weights=self.untie_embeddings_and_output_weights,
+            hidden_dropout=self.hidden_dropout, attention_dropout=self.attention_dropout,
+            init_method_std=self.init_method_std, precision=self.precision,
+            recompute_granularity=self.recompute_granularity, recompute_method=self.recompute_method,
+            recompute_num_layers=self.recompute_num_layers, seed=self.seed)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The tensor x data x pipeline mesh and the batch it splits."""
+    tensor_model_parallel_size: int  # ranks that split each layer's matrices
+    pipeline_model_parallel_size: int  # stages the layers are split into
+    data_parallel_size: int  # world size / (tensor x pipeline)
+    micro_batch_size: int  # samples per forward/backward on one data-parallel rank
+    global_batch_size: int  # samples per optimizer step, over all data-parallel ranks
+    distributed_backend: str | None  # nccl | gloo; None: nccl when CUDA is available, else gloo
+    distributed_timeout_minutes: float  # how long a collective may wait for its peers
+
+    def __post_init__(self):
+        if self.micro_batch_size <= 0:
+            raise ValueError(f"--micro-batch-size must be > 0 (got {self.micro_batch_size})")
+        per_step = self.micro_batch_size * self.data_parallel_size
+        if self.global_batch_size % per_step:
+            raise ValueError(
+                f"--global-batch-size {self.global_batch_size} is not divisible by --micro-batch-size "
+                f"{self.micro_batch_size} x data-parallel size {self.data_parallel_size} = {per_step}; "
+                f"use a multiple of {per_step}")
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How long to train, when to evaluate and log."""
+    train_iters: int  # optimizer steps to train for
+    eval_interval: int  # iterations between evaluations on the validation split
+    eval_iters: int  # batches per evaluation (0: no evaluation)
+    log_interval: int  # iterations between log lines
+    tensorboard_dir: str | None  # where TensorBoard scalars go (None: none written)
+    seed: int  # data order, dropout and (through ModelConfig) weight initialisation
+    exit_interval: int | None  # stop at the first iteration divisible by this (None: run train_iters)
+
+    def __post_init__(self):
+        for name in ("train_iters", "log_interval", "eval_interval"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(self, name)})")
+
+
+@dataclass(frozen=True)
+class DeepSpeedFlags:
+    """``--deepspeed``: train through the zero_cache engine, configured by a DeepSpeed-style JSON file."""
+    enabled: bool  # --deepspeed
+    config_path: str | None  # --deepspeed_config: the JSON file
+    zero_stage: int | None  # --zero-stage: overrides zero_optimization.stage of the JSON (None: keep it)
+
+    def __post_init__(self):
+        if self.enabled and not self.config_path:
+            raise ValueError("--deepspeed needs --deepspeed_config FILE (a DeepSpeed-style JSON)")
+        if self.config_path and not os.path.isfile(self.config_path):
+            raise ValueError(f"--deepspeed_config {self.config_path}: no such file")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything ``parse_args`` resolved, one config per subsystem."""
+    model: ModelConfig
+    parallel: ParallelConfig
+    train: TrainConfig
+    optimizer: OptimizerConfig
+    scheduler: SchedulerConfig
+    data: DataConfig
+    tokenizer: TokenizerConfig
+    checkpoint: CheckpointConfig
+    deepspeed: DeepSpeedFlags
+    flags: tuple[tuple[str, FlagValue], ...] = ()  # every scalar flag by Megatron name, as resolved by parse_args
+
+    def to_megatron_args(self, model: TransformerConfig) -> dict[str, FlagValue]:
+        """The plain ``args`` dict stored in checkpoints (Megatron's names), as the conversion tools read it:
+        the flags, with the model's resolved sizes and the mesh."""
+        out = dict(self.flags)
+        out.update(
+            num_layers=model.num_layers, hidden_size=model.hidden_size, ffn_hidden_size=model.ffn_hidden_size,
+            num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
+            kv_channels=model.kv_channels, seq_length=model.seq_length,
+            max_position_embeddings=model.max_position_embeddings, padded_vocab_size=model.padded_vocab_size,
+            position_embedding_type=model.position_embedding_type, normalization=model.normalization,
+            swiglu=model.swiglu, add_bias_linear=model.add_bias_linear,
+            untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
+            layernorm_epsilon=model.layernorm_epsilon, rotary_base=model.rotary_base,
+            tensor_model_parallel_size=self.parallel.tensor_model_parallel_size,
+            pipeline_model_parallel_size=self.parallel.pipeline_model_parallel_size,
+            data_parallel_size=self.parallel.data_parallel_size,
+        )
+        return out

@@ -1,0 +1,142 @@
+"""parse_args: one frozen, typed Config, validated before start-up; the checkpoint 'args' derived from it."""
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron.training.arguments import ConfigError, parse_args
+from megatron.training.backend import Backend, BackendStepResult, MegatronBackend
+from megatron.training.zero_backend import ZeroBackend, step_result
+from tests.training.parallel_harness import TINY_GPT
+from zero_cache import StepResult
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _with(argv, flag, value):
+    argv = list(argv)
+    argv[argv.index(flag) + 1] = value
+    return argv
+
+
+def _without(argv, flag):
+    i = argv.index(flag)
+    return argv[:i] + argv[i + 2:]
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--lr-warmup-iters", "10", "--lr-decay-iters", "10"], "warm-up steps \\(10\\) must be >= 0 and below"),
+    (["--lr-warmup-iters", "2", "--lr-warmup-fraction", "0.1"], "--lr-warmup-iters and --lr-warmup-fraction are "
+                                                                "exclusive"),
+    (["--lr-warmup-fraction", "1.5"], "--lr-warmup-fraction must be in"),
+    (["--weight-decay-incr-style", "linear"], "needs both --start-weight-decay and --end-weight-decay"),
+    (["--lr-decay-iters", "0"], "--lr-decay-iters must be > 0"),
+])
+def test_bad_schedule_fails_in_parse_args(extra, expected):
+    with pytest.raises(ConfigError, match=expected):
+        parse_args(_without(TINY_GPT, "--lr-warmup-iters") + extra, world_size=1)
+
+
+def test_bad_model_shape_fails_in_parse_args():
+    with pytest.raises(ConfigError, match="--hidden-size 30 is not divisible by --num-attention-heads 4"):
+        parse_args(_with(TINY_GPT, "--hidden-size", "30"), world_size=1)
+    with pytest.raises(ConfigError, match="--seq-length 32 exceeds --max-position-embeddings 16"):
+        parse_args(_with(TINY_GPT, "--seq-length", "32"), world_size=1)
+
+
+def test_bad_deepspeed_setup_fails_in_parse_args(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text("{}")
+    argv = TINY_GPT + ["--deepspeed", "--deepspeed_config", str(ds), "--weight-decay-incr-style", "linear",
+                       "--start-weight-decay", "0.0", "--end-weight-decay", "0.1"]
+    with pytest.raises(ConfigError, match="not supported with --deepspeed"):
+        parse_args(argv, world_size=1)
+    with pytest.raises(ConfigError, match="no such file"):
+        parse_args(TINY_GPT + ["--deepspeed", "--deepspeed_config", str(tmp_path / "missing.json")], world_size=1)
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4}))
+    with pytest.raises(ConfigError, match="'train_micro_batch_size_per_gpu': 4 disagrees with --micro-batch-size"):
+        parse_args(TINY_GPT + ["--deepspeed", "--deepspeed_config", str(ds)], world_size=1)
+    ds.write_text(json.dumps({"zero_optimization": {"sub_grup_size": 10}}))
+    with pytest.raises(ConfigError, match="sub_group_size"):
+        parse_args(TINY_GPT + ["--deepspeed", "--deepspeed_config", str(ds)], world_size=1)
+
+
+def _configs(obj, path="cfg"):
+    """(path, value) of every field, recursively through dataclasses and containers."""
+    yield path, obj
+    if dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            yield from _configs(getattr(obj, f.name), f"{path}.{f.name}")
+    elif isinstance(obj, (tuple, list)):
+        for i, v in enumerate(obj):
+            yield from _configs(v, f"{path}[{i}]")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _configs(v, f"{path}[{k!r}]")
+
+
+def test_configs_are_frozen_dataclasses_without_a_namespace():
+    cfg = parse_args(TINY_GPT + ["--tensor-model-parallel-size", "2"], world_size=4)
+    values = list(_configs(cfg))
+    assert not [p for p, v in values if isinstance(v, argparse.Namespace)]
+    nested = [(p, v) for p, v in values if dataclasses.is_dataclass(v)]
+    assert len(nested) == 10  # Config and its nine configs
+    assert all(v.__dataclass_params__.frozen for _, v in nested), [p for p, v in nested]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.parallel.micro_batch_size = 4
+
+
+def test_resolved_values():
+    cfg = parse_args(TINY_GPT + ["--tensor-model-parallel-size", "2", "--lr-warmup-iters", "3",
+                                 "--checkpoint-activations", "--bf16"], world_size=4)
+    assert (cfg.parallel.data_parallel_size, cfg.parallel.num_microbatches) == (2, 2)
+    s = cfg.scheduler
+    assert (s.lr_warmup_steps, s.lr_decay_steps, s.wd_incr_steps, s.lr_decay_style) == (3, 10, 10, "cosine")
+    assert (s.max_lr, s.min_lr, s.start_wd, s.end_wd) == (5e-3, 5e-4, 0.1, 0.1)
+    assert (cfg.model.precision, cfg.model.recompute_granularity) == ("bf16", "full")
+    assert cfg.optimizer.bf16 and not cfg.deepspeed.enabled
+    model = cfg.model.transformer_config(100, cfg.parallel.tensor_model_parallel_size)
+    assert model.padded_vocab_size == 128  # a multiple of 64 x TP 2
+
+
+def test_checkpoint_args_keep_megatron_names():
+    cfg = parse_args(TINY_GPT + ["--tensor-model-parallel-size", "2", "--num-query-groups", "2",
+                                 "--checkpoint-activations"], world_size=4)
+    args = cfg.to_megatron_args(cfg.model.transformer_config(100, 2))
+    expected = {"num_layers": 4, "hidden_size": 32, "ffn_hidden_size": 128, "num_attention_heads": 4,
+                "num_query_groups": 2, "group_query_attention": True, "kv_channels": 8, "seq_length": 16,
+                "max_position_embeddings": 16, "padded_vocab_size": 128, "tensor_model_parallel_size": 2,
+                "pipeline_model_parallel_size": 1, "data_parallel_size": 2, "global_batch_size": 8,
+                "untie_embeddings_and_output_weights": False, "add_bias_linear": True, "normalization": "LayerNorm",
+                "position_embedding_type": "learned_absolute", "swiglu": False, "layernorm_epsilon": 1e-5,
+                "norm_epsilon": 1e-5, "params_dtype": "fp32", "recompute_granularity": "full", "lr": 5e-3,
+                "train_iters": 10, "tokenizer_type": "NullTokenizer", "vocab_size": 100, "data_path": None}
+    assert {k: args[k] for k in expected} == expected
+    assert all(isinstance(v, (int, float, str, bool, type(None))) for v in args.values())
+
+
+@pytest.mark.multiprocess
+def test_tokenizer_and_data_flags_import_without_torch():
+    # tools/preprocess_data.py (and its spawned workers) use only these two groups.
+    code = ("import sys, megatron.training.arguments.tokenizer, megatron.training.arguments.data; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60).returncode == 0
+
+
+def test_both_backends_implement_the_backend_interface():
+    assert issubclass(MegatronBackend, Backend) and issubclass(ZeroBackend, Backend)
+    assert Backend.__abstractmethods__ == {"zero_grad", "scale_loss", "no_sync", "finish_grad_sync", "step",
+                                           "save_checkpoint", "load_checkpoint", "memory_tiers", "comm_stats",
+                                           "local_state_dict"}
+    assert not MegatronBackend.__abstractmethods__ and not ZeroBackend.__abstractmethods__
+
+
+def test_engine_step_result_becomes_the_trainers():
+    assert step_result(StepResult(grad_norm=0.5, skipped=False, loss_scale=8.0, lr=1e-3)) == \
+        BackendStepResult(update_successful=True, grad_norm=0.5, loss_scale=8.0)
+    skipped = step_result(StepResult(grad_norm=float("inf"), skipped=True, loss_scale=4.0, lr=1e-3))
+    assert not skipped.update_successful and skipped.grad_norm == float("inf") and skipped.loss_scale == 4.0
