@@ -9,10 +9,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM
 
-from megatron.training.checkpointing import CheckpointConfig, CheckpointError, save_checkpoint
+from megatron.training.checkpoint.config import CheckpointConfig
+from megatron.training.checkpoint.legacy import save_checkpoint
 from tests.checkpoint.common import CONFIGS, assert_same, build_trained, megatron_args, tokens
 from tools.checkpoint import convert_to_hf, hf_mapping
 from tools.checkpoint.loader import load_full_state_dict, model_config_from_args
+from zero_cache.checkpoint import CheckpointError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HF_CLASS = {"gpt2": GPT2LMHeadModel, "llama": LlamaForCausalLM}

@@ -16,16 +16,9 @@ import re
 import torch
 
 from megatron.core.transformer_config import TransformerConfig
-from megatron.training.checkpoint.checkpointer import iteration_dir
-from megatron.training.checkpointing import (
-    CheckpointError,
-    checkpoint_file,
-    load_file,
-    read_tracker,
-    saved_mesh,
-    tracker_path,
-)
-from zero_cache.checkpoint import distributed
+from megatron.training.checkpoint.checkpointer import iteration_dir, read_tracker, tracker_path
+from megatron.training.checkpoint.legacy import checkpoint_file, load_file, saved_mesh
+from zero_cache.checkpoint import CheckpointError, distributed
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
