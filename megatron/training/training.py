@@ -105,6 +105,11 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
     checkpoints = CheckpointManager(cfg.checkpoint, backend, scheduler, rng_tracker,
                                     cfg.to_megatron_args(model_cfg, tokenizer.vocab_size), device, timeout)
     iteration, consumed = checkpoints.load()
+    if iteration >= cfg.train.train_iters:  # a finished run restarted: its data is used up
+        if dist.get_rank() == 0:
+            print(f"> iteration {iteration} of --train-iters {cfg.train.train_iters} is already trained; nothing to do",
+                  flush=True)
+        return TrainResult(iteration=iteration, model=model, backend=backend)
 
     forward_step_func = forward_step_provider(cfg, tokenizer, device)
     train_ds, valid_ds, _ = datasets_provider(cfg, tokenizer, model_cfg.seq_length, num_samples(cfg))
