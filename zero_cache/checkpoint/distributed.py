@@ -100,7 +100,8 @@ class _Chunk:
     offsets: tuple[int, ...]  # global
     sizes: tuple[int, ...]
     read: Callable[[], torch.Tensor] | None = None  # save: the chunk's values, shaped ``sizes``
-    commit: Callable[[tuple[int, ...], tuple[int, ...], torch.Tensor], None] | None = None  # load: region in
+    # load: commit(region offsets within the chunk, region lengths, values) writes a region into its state
+    commit: Callable[[tuple[int, ...], tuple[int, ...], torch.Tensor], None] | None = None
 
 
 @dataclass
