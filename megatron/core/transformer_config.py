@@ -26,6 +26,7 @@ class TransformerConfig:
     normalization: str = "LayerNorm"  # or "RMSNorm"
     layernorm_epsilon: float = 1e-5  # added to the variance in LayerNorm / RMSNorm
     swiglu: bool = False  # gated (SwiGLU) MLP instead of GeLU
+    openai_gelu: bool = False  # GELU's tanh approximation (GPT-2's "gelu_new") instead of the exact erf form
     add_bias_linear: bool = True  # biases in the attention and MLP projections
     untie_embeddings_and_output_weights: bool = False  # a separate output head instead of the word embedding
     hidden_dropout: float = 0.1  # dropout on the embeddings and the attention / MLP outputs

@@ -71,6 +71,7 @@ class MLP(nn.Module):
         super().__init__()
         h, f, bias = config.hidden_size, config.ffn_hidden_size, config.add_bias_linear
         self.swiglu = config.swiglu
+        self.gelu_approximate = "tanh" if config.openai_gelu else "none"
         self.linear_fc1 = ColumnParallelLinear(h, f, bias=bias,
                                                init_method=config.init_method(prefix + "linear_fc1.weight"))
         if self.swiglu:
@@ -83,7 +84,7 @@ class MLP(nn.Module):
         if self.swiglu:
             hidden = F.silu(self.linear_fc1_gate(x)) * self.linear_fc1(x)
         else:
-            hidden = F.gelu(self.linear_fc1(x))
+            hidden = F.gelu(self.linear_fc1(x), approximate=self.gelu_approximate)
         return self.linear_fc2(hidden)
 
 

@@ -18,13 +18,18 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import MegatronOptimizer, get_megatron_optimizer
-from megatron.training.checkpointing import CheckpointConfig, load_checkpoint, save_checkpoint
+from megatron.training.checkpoint import legacy
+from megatron.training.checkpoint.config import CheckpointConfig
+from megatron.training.checkpoint.ddp_states import DataParallelStates
+from megatron.training.checkpoint.layout import layout_function
 from megatron.training.config import Config
 
 if TYPE_CHECKING:
     from megatron.core.tensor_parallel import RNGStatesTracker
     from megatron.training.lr_scheduler import OptimizerParamScheduler
     from zero_cache import ZeroEngine
+    from zero_cache.checkpoint.distributed import Layout
+    from zero_cache.checkpoint.interface import StateSource
     from zero_cache.comm import CommStepStats
 
 
@@ -68,16 +73,24 @@ class Backend(abc.ABC):
         """Update the parameters at learning rate ``lr`` (skipped on fp16 overflow)."""
 
     @abc.abstractmethod
-    def save_checkpoint(self, cfg: CheckpointConfig, iteration: int, scheduler: OptimizerParamScheduler, *,
-                        consumed_samples: int, args: dict, rng_tracker: RNGStatesTracker) -> None:
-        """Write the model, optimizer, scheduler and RNG state of ``iteration`` under ``cfg.save``, with the
-        Megatron ``args`` dict the conversion tools read. Collective: every rank calls it."""
+    def checkpoint_states(self) -> StateSource:
+        """The model states behind zero_cache's checkpoint interface, ready to be saved or loaded now."""
 
     @abc.abstractmethod
-    def load_checkpoint(self, cfg: CheckpointConfig, scheduler: OptimizerParamScheduler,
-                        rng_tracker: RNGStatesTracker) -> tuple[int, int]:
-        """Restore the latest checkpoint under ``cfg.load``; returns (iteration, consumed samples), (0, 0)
-        when there is none or with ``cfg.finetune``."""
+    def checkpoint_layout(self) -> Layout:
+        """Where each local parameter lies in the model's mesh-independent global tensors."""
+
+    @abc.abstractmethod
+    def save_legacy_checkpoint(self, cfg: CheckpointConfig, iteration: int, scheduler: OptimizerParamScheduler, *,
+                               consumed_samples: int, args: dict, rng_tracker: RNGStatesTracker) -> None:
+        """``--ckpt-format torch``: write ``iteration`` in the backend's per-rank layout (loads only into the
+        same mesh). Collective: every rank calls it."""
+
+    @abc.abstractmethod
+    def load_legacy_checkpoint(self, cfg: CheckpointConfig, iteration: int, scheduler: OptimizerParamScheduler,
+                               rng_tracker: RNGStatesTracker) -> tuple[int, int]:
+        """Restore ``iteration`` from the backend's per-rank layout under ``cfg.load``; returns (iteration,
+        consumed samples), (0, 0) with ``cfg.finetune``."""
 
     @abc.abstractmethod
     def memory_tiers(self) -> dict[str, float]:
@@ -110,13 +123,20 @@ class MegatronBackend(Backend):
         self.optimizer = get_megatron_optimizer(cfg.optimizer, [model], ps.get_data_parallel_group(),
                                                 ps.get_model_parallel_group())
 
-    def save_checkpoint(self, cfg: CheckpointConfig, iteration: int, scheduler, *, consumed_samples: int,
-                        args: dict, rng_tracker) -> None:
-        save_checkpoint(cfg, iteration, self.module, self.optimizer, scheduler, consumed_samples=consumed_samples,
-                        args=args, rng_tracker=rng_tracker)
+    def checkpoint_states(self) -> StateSource:
+        return DataParallelStates(self.module, self.optimizer)
 
-    def load_checkpoint(self, cfg: CheckpointConfig, scheduler, rng_tracker) -> tuple[int, int]:
-        return load_checkpoint(cfg, self.module, self.optimizer, scheduler, rng_tracker)
+    def checkpoint_layout(self) -> Layout:
+        return layout_function(self.module)
+
+    def save_legacy_checkpoint(self, cfg: CheckpointConfig, iteration: int, scheduler, *, consumed_samples: int,
+                               args: dict, rng_tracker) -> None:
+        legacy.save_checkpoint(cfg, iteration, self.module, self.optimizer, scheduler,
+                               consumed_samples=consumed_samples, args=args, rng_tracker=rng_tracker)
+
+    def load_legacy_checkpoint(self, cfg: CheckpointConfig, iteration: int, scheduler, rng_tracker
+                               ) -> tuple[int, int]:
+        return legacy.load_checkpoint(cfg, self.module, self.optimizer, scheduler, rng_tracker)
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()

@@ -12,7 +12,7 @@ from megatron.core.optimizer.config import OptimizerConfig
 from megatron.core.transformer_config import TransformerConfig
 from megatron.data.config import DataConfig
 from megatron.tokenizer.config import TokenizerConfig
-from megatron.training.checkpointing import CheckpointConfig
+from megatron.training.checkpoint.config import CheckpointConfig
 from megatron.training.lr_scheduler import SchedulerConfig
 
 FlagValue = int | float | str | bool | None
@@ -46,6 +46,7 @@ class ModelConfig:
     normalization: str = "LayerNorm"  # or "RMSNorm"
     layernorm_epsilon: float = 1e-5  # --norm-epsilon
     swiglu: bool = False  # gated (SwiGLU) MLP instead of GeLU
+    openai_gelu: bool = False  # GELU's tanh approximation (GPT-2's gelu_new) instead of the exact form
     add_bias_linear: bool = True  # biases in the attention and MLP projections
     untie_embeddings_and_output_weights: bool = False  # a separate output head instead of the word embedding
     hidden_dropout: float = 0.1  # dropout on the embeddings and the attention / MLP outputs
@@ -74,7 +75,7 @@ class ModelConfig:
             ffn_hidden_size=self.ffn_hidden_size, num_query_groups=self.num_query_groups, kv_channels=self.kv_channels,
             max_position_embeddings=self.max_position_embeddings, position_embedding_type=self.position_embedding_type,
             rotary_base=self.rotary_base, normalization=self.normalization, layernorm_epsilon=self.layernorm_epsilon,
-            swiglu=self.swiglu, add_bias_linear=self.add_bias_linear,
+            swiglu=self.swiglu, openai_gelu=self.openai_gelu, add_bias_linear=self.add_bias_linear,
             untie_embeddings_and_output_weights=self.untie_embeddings_and_output_weights,
             hidden_dropout=self.hidden_dropout, attention_dropout=self.attention_dropout,
             init_method_std=self.init_method_std, precision=self.precision,
@@ -118,11 +119,15 @@ class TrainConfig:
     tensorboard_dir: str | None  # where TensorBoard scalars go (None: none written)
     seed: int  # data order, dropout and (through ModelConfig) weight initialisation
     exit_interval: int | None  # stop at the first iteration divisible by this (None: run train_iters)
+    exit_signal_handler: bool = False  # SIGTERM / SIGUSR1: finish the step, save a checkpoint, exit 0
+    exit_duration_in_mins: float | None = None  # save and exit before this much wall-clock time has passed
 
     def __post_init__(self):
         for name in ("train_iters", "log_interval", "eval_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(self, name)})")
+        if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
+            raise ValueError(f"--exit-duration-in-mins must be > 0 (got {self.exit_duration_in_mins})")
 
 
 @dataclass(frozen=True)
@@ -153,9 +158,10 @@ class Config:
     deepspeed: DeepSpeedFlags
     flags: tuple[tuple[str, FlagValue], ...] = ()  # every scalar flag by Megatron name, as resolved by parse_args
 
-    def to_megatron_args(self, model: TransformerConfig) -> dict[str, FlagValue]:
+    def to_megatron_args(self, model: TransformerConfig, vocab_size: int | None = None) -> dict[str, FlagValue]:
         """The plain ``args`` dict stored in checkpoints (Megatron's names), as the conversion tools read it:
-        the flags, with the model's resolved sizes and the mesh."""
+        the flags, with the model's resolved sizes, the tokenizer's vocabulary (``true_vocab_size``) and the
+        mesh."""
         out = dict(self.flags)
         out.update(
             num_layers=model.num_layers, hidden_size=model.hidden_size, ffn_hidden_size=model.ffn_hidden_size,
@@ -163,11 +169,13 @@ class Config:
             kv_channels=model.kv_channels, seq_length=model.seq_length,
             max_position_embeddings=model.max_position_embeddings, padded_vocab_size=model.padded_vocab_size,
             position_embedding_type=model.position_embedding_type, normalization=model.normalization,
-            swiglu=model.swiglu, add_bias_linear=model.add_bias_linear,
+            swiglu=model.swiglu, openai_gelu=model.openai_gelu, add_bias_linear=model.add_bias_linear,
             untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
             layernorm_epsilon=model.layernorm_epsilon, rotary_base=model.rotary_base,
             tensor_model_parallel_size=self.parallel.tensor_model_parallel_size,
             pipeline_model_parallel_size=self.parallel.pipeline_model_parallel_size,
             data_parallel_size=self.parallel.data_parallel_size,
         )
+        if vocab_size is not None:
+            out["true_vocab_size"] = vocab_size
         return out

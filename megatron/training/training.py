@@ -6,6 +6,7 @@ provides the model, the datasets and ``forward_step``, as in Megatron-LM.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -19,7 +20,9 @@ from megatron.core.pipeline_parallel.schedules import ForwardStepFunc, forward_b
 from megatron.data import build_pretraining_data_loader
 from megatron.tokenizer import build_tokenizer
 from megatron.training.backend import Backend, BackendStepResult, build_backend, build_model
+from megatron.training.checkpoint.manager import CheckpointManager
 from megatron.training.config import Config, ConfigError
+from megatron.training.exit_conditions import ExitConditions
 from megatron.training.initialize import initialize_distributed, set_random_seed
 from megatron.training.lr_scheduler import OptimizerParamScheduler
 from megatron.training.train_log import TrainLogger
@@ -57,11 +60,14 @@ def _average_losses(stats: list[dict], key: str = "lm loss") -> float | None:
 
 
 def train_step(backend: Backend, forward_step_func: ForwardStepFunc, data_iterator, spec: p2p.TensorSpec,
-               num_microbatches: int, lr: float) -> tuple[float | None, BackendStepResult]:
+               num_microbatches: int, lr: float, before_update: Callable[[], None] = lambda: None
+               ) -> tuple[float | None, BackendStepResult]:
+    """One optimizer step; ``before_update`` runs just before the states change (a background save ends)."""
     backend.zero_grad()
     stats = forward_backward(forward_step_func, data_iterator, backend.model, num_microbatches=num_microbatches,
                              spec=spec, grad_scale_func=backend.scale_loss, no_sync=backend.no_sync)
     backend.finish_grad_sync()
+    before_update()
     result = backend.step(lr)
     return _average_losses(stats), result
 
@@ -95,7 +101,15 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
     model = build_model(cfg, model_provider, build_cfg, rng_tracker, device)
     backend = build_backend(cfg, model)
     scheduler = OptimizerParamScheduler(backend.optimizer, cfg.scheduler)
-    iteration, consumed = backend.load_checkpoint(cfg.checkpoint, scheduler, rng_tracker)
+    timeout = datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
+    checkpoints = CheckpointManager(cfg.checkpoint, backend, scheduler, rng_tracker,
+                                    cfg.to_megatron_args(model_cfg, tokenizer.vocab_size), device, timeout)
+    iteration, consumed = checkpoints.load()
+    if iteration >= cfg.train.train_iters:  # a finished run restarted: its data is used up
+        if dist.get_rank() == 0:
+            print(f"> iteration {iteration} of --train-iters {cfg.train.train_iters} is already trained; nothing to do",
+                  flush=True)
+        return TrainResult(iteration=iteration, model=model, backend=backend)
 
     forward_step_func = forward_step_provider(cfg, tokenizer, device)
     train_ds, valid_ds, _ = datasets_provider(cfg, tokenizer, model_cfg.seq_length, num_samples(cfg))
@@ -120,18 +134,17 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
         print(f"> model: {model_cfg.num_parameters() / 1e6:.2f}M parameters, mesh TP={par.tensor_model_parallel_size} "
               f"PP={par.pipeline_model_parallel_size} DP={par.data_parallel_size}, {par.num_microbatches} "
               f"micro-batches of {par.micro_batch_size} per step, starting at iteration {iteration}", flush=True)
-    ckpt_args = cfg.to_megatron_args(model_cfg)
-
-    def save(it: int, consumed_samples: int) -> None:
-        backend.save_checkpoint(cfg.checkpoint, it, scheduler, consumed_samples=consumed_samples, args=ckpt_args,
-                                rng_tracker=rng_tracker)
-
+    ck = cfg.checkpoint
+    exits = ExitConditions(signal_handler=t.exit_signal_handler, duration_mins=t.exit_duration_in_mins,
+                           save_interval_mins=ck.save_interval_minutes, group=checkpoints.group)
     result = TrainResult(iteration=iteration, model=model, backend=backend)
     backend.model.train()
     last_grad_norm = None
+    saved_at = None  # the iteration of the last save
     while iteration < t.train_iters:
         lr = scheduler.get_lr()
-        loss, step = train_step(backend, forward_step_func, train_iter, spec, par.num_microbatches, lr)
+        loss, step = train_step(backend, forward_step_func, train_iter, spec, par.num_microbatches, lr,
+                                before_update=checkpoints.wait_before_update)
         if step.update_successful:
             scheduler.step(1)
         iteration += 1
@@ -149,12 +162,21 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
         if valid_iter is not None and iteration % t.eval_interval == 0:
             logger.log_eval(iteration, evaluate(backend, forward_step_func, valid_iter, spec,
                                                 par.num_microbatches, t.eval_iters))
-        if cfg.checkpoint.save and cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0:
-            save(iteration, consumed)
+        decision = exits.check(checkpoints.minutes_since_save())
+        if ck.save and (decision.save or (ck.save_interval and iteration % ck.save_interval == 0)):
+            checkpoints.save(iteration, consumed)
+            saved_at = iteration
+        if decision.stop:
+            if logger.is_logging_rank:
+                saved = f"after saving it to {ck.save}" if ck.save else "without a checkpoint (no --save)"
+                print(f"> {decision.reason}: stopping at iteration {iteration} {saved}", flush=True)
+            break
         if t.exit_interval and iteration % t.exit_interval == 0:
             break
-    if cfg.checkpoint.save and not (cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0):
-        save(iteration, consumed)
+    if ck.save and saved_at != iteration:
+        checkpoints.save(iteration, consumed)
+    checkpoints.finish()
+    exits.close()
     logger.close()
     result.iteration = iteration
     if any(not math.isfinite(v) for v in result.losses.values()) and logger.is_logging_rank:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,15 +21,16 @@ from megatron.core import parallel_state as ps
 from megatron.core.deferred_init import initial_value
 from megatron.core.tensor_parallel import param_is_tensor_parallel_duplicate
 from megatron.training.backend import Backend, BackendStepResult
-from megatron.training.checkpointing import (
-    CheckpointConfig,
-    get_rng_state,
-    read_tracker,
-    set_rng_state,
-    to_plain,
-    write_tracker,
-)
+from megatron.training.checkpoint.checkpointer import write_tracker
+from megatron.training.checkpoint.config import CheckpointConfig
+from megatron.training.checkpoint.layout import layout_function
+from megatron.training.checkpoint.rng import get_rng_state, set_rng_state, to_plain
 from megatron.training.config import Config, ConfigError
+from zero_cache.checkpoint import CheckpointError, sharded
+
+if TYPE_CHECKING:
+    from zero_cache.checkpoint.distributed import Layout
+    from zero_cache.checkpoint.interface import StateSource
 
 
 def _agree(ds: dict, key: str, value, flag: str) -> None:
@@ -132,8 +135,15 @@ class ZeroBackend(Backend):
     def step(self, lr: float) -> BackendStepResult:
         return step_result(self.model.step(lr=lr))
 
-    def save_checkpoint(self, cfg: CheckpointConfig, iteration: int, scheduler, *, consumed_samples: int,
-                        args: dict, rng_tracker) -> None:
+    def checkpoint_states(self) -> StateSource:
+        self.model.prepare_checkpoint()  # a pending lock-free update lands; SSD read-ahead is handed back
+        return self.model
+
+    def checkpoint_layout(self) -> Layout:
+        return layout_function(self.module)
+
+    def save_legacy_checkpoint(self, cfg: CheckpointConfig, iteration: int, scheduler, *, consumed_samples: int,
+                               args: dict, rng_tracker) -> None:
         """Each rank writes its own shards (no full model anywhere) under ``global_step<N>``, then the trackers."""
         client = {"iteration": iteration, "consumed_samples": consumed_samples, "args": to_plain(dict(args), "args"),
                   "opt_param_scheduler": scheduler.state_dict(), "rng_state": to_plain(get_rng_state(rng_tracker))}
@@ -142,13 +152,15 @@ class ZeroBackend(Backend):
             write_tracker(cfg.save, iteration)
         torch.distributed.barrier()
 
-    def load_checkpoint(self, cfg: CheckpointConfig, scheduler, rng_tracker) -> tuple[int, int]:
-        iteration = read_tracker(cfg.load) if cfg.load else None
-        if iteration is None:
-            return 0, 0
+    def load_legacy_checkpoint(self, cfg: CheckpointConfig, iteration: int, scheduler, rng_tracker
+                               ) -> tuple[int, int]:
+        tag = f"global_step{iteration}"
+        if not sharded.is_sharded_checkpoint(os.path.join(cfg.load, tag)):
+            raise CheckpointError(f"{cfg.load} holds no checkpoint of iteration {iteration} (neither "
+                                  f"iter_{iteration:07d}/ nor {tag}/ with zero_pp_rank files); restore it or "
+                                  f"point {cfg.load}/latest_checkpointed_iteration.txt at an earlier iteration")
         load_optim = not (cfg.no_load_optim or cfg.finetune)
-        _, client = self.model.load_checkpoint(cfg.load, tag=f"global_step{iteration}",
-                                               load_optimizer_states=load_optim)
+        _, client = self.model.load_checkpoint(cfg.load, tag=tag, load_optimizer_states=load_optim)
         if load_optim:
             scheduler.load_state_dict(client["opt_param_scheduler"])
         if not (cfg.no_load_rng or cfg.finetune):

@@ -21,7 +21,8 @@ from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.core.transformer_config import TransformerConfig
 from megatron.model.gpt_model import WORD_EMBEDDING, GPTModel, stage_layers
-from megatron.training.checkpointing import CheckpointConfig, load_checkpoint, save_checkpoint
+from megatron.training.checkpoint.config import CheckpointConfig
+from megatron.training.checkpoint.legacy import load_checkpoint, save_checkpoint
 
 CONFIGS = {
     "gpt2": TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from megatron.model.gpt_model import GPTModel
-from megatron.training import checkpointing as ckpt
 from megatron.training.arguments.checkpoint import add_checkpoint_args, checkpoint_config_from_args
-from megatron.training.checkpointing import CheckpointConfig, CheckpointError, load_checkpoint, save_checkpoint
+from megatron.training.checkpoint import legacy as ckpt
+from megatron.training.checkpoint.config import CheckpointConfig
+from megatron.training.checkpoint.legacy import load_checkpoint, save_checkpoint
 from tests.checkpoint.common import (
     CONFIGS,
     MESHES,
@@ -20,6 +21,7 @@ from tests.checkpoint.common import (
     unpack,
 )
 from tests.dist_utils import run_distributed
+from zero_cache.checkpoint import CheckpointError
 
 CFG = CONFIGS["gpt2"]
 
@@ -45,7 +47,8 @@ def test_layout_and_weights_only(saved, mesh):
         it_dir = os.path.join(base, "iter_0000003")
         assert sorted(os.listdir(it_dir)) == LAYOUTS[mesh]
         for sub in os.listdir(it_dir):
-            assert os.listdir(os.path.join(it_dir, sub)) == ["model_optim_rng.pt"]  # no temp files left
+            # the file and its checksum, no temp files left
+            assert sorted(os.listdir(os.path.join(it_dir, sub))) == ["model_optim_rng.pt", "model_optim_rng.pt.crc32"]
             state = torch.load(os.path.join(it_dir, sub, "model_optim_rng.pt"), map_location="cpu", weights_only=True)
             assert set(state) == {"args", "checkpoint_version", "iteration", "consumed_samples", "model",
                                   "optimizer", "opt_param_scheduler", "rng_state"}
@@ -118,6 +121,9 @@ def test_missing_and_corrupt_checkpoints(single_rank, tmp_path, capsys):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("4\n")
     path = tmp_path / "iter_0000004" / "mp_rank_00" / "model_optim_rng.pt"
     path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match=f"{path} is truncated or was overwritten"):  # the recorded checksum
+        load_checkpoint(_cfg(load=tmp_path), model, None, None)
+    os.remove(f"{path}.crc32")  # as written by a version that recorded none: the archive check still catches it
     with pytest.raises(CheckpointError, match=f"cannot read checkpoint file {path}"):
         load_checkpoint(_cfg(load=tmp_path), model, None, None)
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("four\n")
@@ -144,7 +150,7 @@ def test_no_save_optim_finetune_and_no_load_rng(single_rank, tmp_path):
 
     # RNG states of two data-parallel ranks cannot be restored on one: clear error, --no-load-rng skips them.
     state["rng_state"] = state["rng_state"] * 2
-    torch.save(state, tmp_path / "iter_0000006" / "mp_rank_00" / "model_optim_rng.pt")
+    ckpt.write_atomic(state, str(tmp_path / "iter_0000006" / "mp_rank_00" / "model_optim_rng.pt"))
     with pytest.raises(CheckpointError, match="--no-load-rng"):
         load_checkpoint(_cfg(load=tmp_path, no_load_optim=True), model, None, None)
     before = torch.get_rng_state()

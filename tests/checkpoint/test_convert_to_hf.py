@@ -9,10 +9,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM
 
-from megatron.training.checkpointing import CheckpointConfig, CheckpointError, save_checkpoint
+from megatron.training.checkpoint.config import CheckpointConfig
+from megatron.training.checkpoint.legacy import save_checkpoint
 from tests.checkpoint.common import CONFIGS, assert_same, build_trained, megatron_args, tokens
-from tools.checkpoint import convert_to_hf
+from tools.checkpoint import convert_to_hf, hf_mapping
 from tools.checkpoint.loader import load_full_state_dict, model_config_from_args
+from zero_cache.checkpoint import CheckpointError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HF_CLASS = {"gpt2": GPT2LMHeadModel, "llama": LlamaForCausalLM}
@@ -122,7 +124,7 @@ def test_command_line_errors_name_the_problem(tmp_path, capsys):
 def test_unsupported_block_design_is_a_clear_error():
     cfg = dataclasses.replace(CONFIGS["gpt2"], normalization="RMSNorm")
     with pytest.raises(CheckpointError, match="matches neither Hugging Face GPT-2.*needs normalization='LayerNorm'"):
-        convert_to_hf.model_family(cfg)
+        hf_mapping.model_family(cfg)
     cfg = dataclasses.replace(CONFIGS["llama"], swiglu=False)
     with pytest.raises(CheckpointError, match="needs swiglu=True"):
-        convert_to_hf.model_family(cfg)
+        hf_mapping.model_family(cfg)

@@ -3,6 +3,7 @@ import json
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from megatron.model.gpt_model import GPTModel
 from tests.training.parallel_harness import LLAMA_STYLE, TINY_GPT, ds_config_flags, train
@@ -28,11 +29,15 @@ def test_zero3_checkpoint_consolidates_to_trained_weights(single_rank, tmp_path,
     assert state.keys() == trained.keys()
     for name, t in trained.items():
         torch.testing.assert_close(state[name], t, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
-    hf = convert(str(tmp_path / "hf"), state_dict=str(out)).eval()  # args come from out/args.json
-    cfg = model_config_from_args(json.loads((out / "args.json").read_text()))
+    convert(str(tmp_path / "hf"), state_dict=str(out))  # args come from out/args.json
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    args = json.loads((out / "args.json").read_text())
+    cfg = model_config_from_args(args)
     ours = GPTModel(cfg).eval()
     ours.load_state_dict(state, strict=True)
     ids = torch.randint(0, 100, (2, cfg.seq_length), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = ours(ids, torch.arange(cfg.seq_length).expand(2, -1))
-        torch.testing.assert_close(hf(ids).logits, ref, rtol=0, atol=1e-4)
+        # The export keeps the tokenizer's vocabulary, without our padding rows.
+        assert hf.config.vocab_size == args["true_vocab_size"] < cfg.padded_vocab_size
+        torch.testing.assert_close(hf(ids).logits, ref[..., :args["true_vocab_size"]], rtol=0, atol=1e-4)

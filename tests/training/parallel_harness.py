@@ -79,13 +79,14 @@ def train(argv: list[str], world: int, timeout: float = 300) -> tuple[dict[int, 
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(extra: tuple[str, ...]):
+def reference(extra: tuple[str, ...]):
+    """The single-process run of TINY_GPT + extra (cached): (losses, full weights, outputs)."""
     return train(TINY_GPT + list(extra), 1)
 
 
 def check_matches_reference(extra: list[str], mesh: list[str], world: int) -> None:
     """Train TINY_GPT + extra on ``mesh`` (``world`` ranks): losses and weights equal one process's within 1e-5."""
-    ref_losses, ref_params, _ = _reference(tuple(extra))
+    ref_losses, ref_params, _ = reference(tuple(extra))
     losses, params, outs = train(TINY_GPT + extra + mesh, world)
     assert sorted(losses) == list(range(1, 11))
     for it, ref in ref_losses.items():

@@ -1,15 +1,18 @@
-"""Export a Megatron-layout GPT checkpoint (any TP/PP) to a Hugging Face transformers model directory.
+"""Export a GPT checkpoint (any TP/PP, either format) to a Hugging Face transformers model directory.
 
     python tools/checkpoint/convert_to_hf.py --load CKPT_DIR [--iteration N] --output HF_DIR
-    python tools/checkpoint/convert_to_hf.py --state-dict full_fp32.pt --args-from CKPT_DIR|args.json --output HF_DIR
+    python tools/checkpoint/convert_to_hf.py --state-dict full_fp32.pt|CONSOLIDATED_DIR --args-from CKPT_DIR|args.json \
+        --output HF_DIR
 
-GPT-2 blocks (learned positions, LayerNorm, GELU, biases) become ``GPT2LMHeadModel``;
-Llama blocks (RoPE, RMSNorm, SwiGLU, optional GQA / untied head) become
-``LlamaForCausalLM``. The model's shape comes from the checkpoint's ``args``.
+GPT-2 blocks (learned positions, LayerNorm, GELU, biases) become ``GPT2LMHeadModel``; Llama blocks (RoPE, RMSNorm,
+SwiGLU, optional GQA / untied head) become ``LlamaForCausalLM``. The model's shape comes from the checkpoint's
+``args``. A distributed checkpoint (the default format) and a consolidated directory are read one tensor at a
+time and written in safetensors shards of at most ``--max-shard-size``, so memory is a shard, never the model.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -17,124 +20,69 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from megatron.core.transformer_config import TransformerConfig
-from megatron.training.checkpointing import CheckpointError
-from tools.checkpoint.loader import (
-    OUTPUT_LAYER,
-    WORD_EMBEDDING,
-    load_args_from,
-    load_consolidated_state_dict,
-    load_full_state_dict,
-    model_config_from_args,
-)
+from tools.checkpoint.hf_mapping import hf_config, hf_tensors
+from tools.checkpoint.loader import load_args_from, model_config_from_args, open_checkpoint, open_state_dict
+from zero_cache.checkpoint import CheckpointError
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
-def split_qkv(cfg: TransformerConfig, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fused QKV rows laid out per query group [q_per_group*d queries | d key | d value] -> q, k, v (head-major)."""
-    groups, d = cfg.num_query_groups, cfg.kv_channels
-    q_per_group = cfg.num_attention_heads // groups
-    t = t.reshape(groups, q_per_group + 2, d, *t.shape[1:])
-    rest = t.shape[3:]
-    q = t[:, :q_per_group].reshape(groups * q_per_group * d, *rest)
-    return q, t[:, q_per_group].reshape(groups * d, *rest), t[:, q_per_group + 1].reshape(groups * d, *rest)
+def _parse_size(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    t = text.strip().upper()
+    for unit, scale in sorted(units.items(), key=lambda u: -len(u[0])):
+        if t.endswith(unit):
+            return int(float(t[:-len(unit)]) * scale)
+    return int(t)
 
 
-def model_family(cfg: TransformerConfig) -> str:
-    """'gpt2' or 'llama'; a clear error for block designs neither Hugging Face class reproduces."""
-    if cfg.position_embedding_type == "learned_absolute":
-        wrong = {"normalization": (cfg.normalization, "LayerNorm"), "swiglu": (cfg.swiglu, False),
-                 "add_bias_linear": (cfg.add_bias_linear, True),
-                 "num_query_groups": (cfg.num_query_groups, cfg.num_attention_heads),
-                 "kv_channels": (cfg.kv_channels, cfg.hidden_size // cfg.num_attention_heads)}
-        family = "gpt2"
-    else:
-        wrong = {"normalization": (cfg.normalization, "RMSNorm"), "swiglu": (cfg.swiglu, True)}
-        family = "llama"
-    bad = {k: v for k, (v, want) in wrong.items() if v != want}
-    if bad:
-        need = ", ".join(f"{k}={wrong[k][1]!r}" for k in bad)
-        raise CheckpointError(f"this model ({', '.join(f'{k}={v!r}' for k, v in bad.items())}) matches neither "
-                              f"Hugging Face GPT-2 (learned positions, LayerNorm, GELU, biases, MHA) nor Llama "
-                              f"(rope, RMSNorm, SwiGLU); a {family} export needs {need}")
-    return family
+def write_hf(output: str, cfg: TransformerConfig, vocab_size: int, ours, max_shard_bytes: int) -> int:
+    """Write config.json and the weights as safetensors shards; returns the parameter count."""
+    from safetensors.torch import save_file
+    os.makedirs(output, exist_ok=True)
+    hf_config(cfg, vocab_size).save_pretrained(output)
+    shards: list[dict[str, str]] = []  # tensor names per shard
+    shard: dict[str, torch.Tensor] = {}
+    size, total = 0, 0
 
+    def flush():
+        nonlocal shard, size
+        if shard:
+            save_file(shard, os.path.join(output, f"model-{len(shards) + 1:05d}.safetensors.tmp"),
+                      metadata={"format": "pt"})
+            shards.append(list(shard))
+        shard, size = {}, 0
 
-def _lm_head(cfg: TransformerConfig, sd: dict[str, torch.Tensor]) -> torch.Tensor:
-    return sd[OUTPUT_LAYER] if cfg.untie_embeddings_and_output_weights else sd[WORD_EMBEDDING]
-
-
-def gpt2_model(cfg: TransformerConfig, sd: dict[str, torch.Tensor]) -> GPT2LMHeadModel:
-    hf_cfg = GPT2Config(
-        vocab_size=cfg.padded_vocab_size, n_positions=cfg.max_position_embeddings, n_embd=cfg.hidden_size,
-        n_layer=cfg.num_layers, n_head=cfg.num_attention_heads, n_inner=cfg.ffn_hidden_size,
-        activation_function="gelu",  # exact erf GELU, as F.gelu in our MLP
-        layer_norm_epsilon=cfg.layernorm_epsilon, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        tie_word_embeddings=not cfg.untie_embeddings_and_output_weights, bos_token_id=None, eos_token_id=None)
-    out = {"transformer.wte.weight": sd[WORD_EMBEDDING],
-           "transformer.wpe.weight": sd["embedding.position_embeddings.weight"],
-           "transformer.ln_f.weight": sd["final_layernorm.weight"], "transformer.ln_f.bias": sd["final_layernorm.bias"],
-           "lm_head.weight": _lm_head(cfg, sd)}
-    for i in range(cfg.num_layers):
-        src, dst = f"decoder.layers.{i}.", f"transformer.h.{i}."
-        # GPT-2's Conv1D stores [in, out]: transpose our [out, in] Linear weights.
-        out[dst + "attn.c_attn.weight"] = torch.cat(split_qkv(cfg, sd[src + "self_attention.linear_qkv.weight"])).t()
-        out[dst + "attn.c_attn.bias"] = torch.cat(split_qkv(cfg, sd[src + "self_attention.linear_qkv.bias"]))
-        out[dst + "attn.c_proj.weight"] = sd[src + "self_attention.linear_proj.weight"].t()
-        out[dst + "attn.c_proj.bias"] = sd[src + "self_attention.linear_proj.bias"]
-        out[dst + "mlp.c_fc.weight"] = sd[src + "mlp.linear_fc1.weight"].t()
-        out[dst + "mlp.c_fc.bias"] = sd[src + "mlp.linear_fc1.bias"]
-        out[dst + "mlp.c_proj.weight"] = sd[src + "mlp.linear_fc2.weight"].t()
-        out[dst + "mlp.c_proj.bias"] = sd[src + "mlp.linear_fc2.bias"]
-        for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
-            out[dst + theirs + ".weight"] = sd[src + ours + ".weight"]
-            out[dst + theirs + ".bias"] = sd[src + ours + ".bias"]
-    return _instantiate(GPT2LMHeadModel, hf_cfg, out, cfg.params_dtype)
-
-
-def llama_model(cfg: TransformerConfig, sd: dict[str, torch.Tensor]) -> LlamaForCausalLM:
-    hf_cfg = LlamaConfig(
-        vocab_size=cfg.padded_vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_query_groups, head_dim=cfg.kv_channels, hidden_act="silu",
-        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.layernorm_epsilon,
-        rope_theta=cfg.rotary_base, attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear,
-        attention_dropout=0.0, tie_word_embeddings=not cfg.untie_embeddings_and_output_weights,
-        bos_token_id=None, eos_token_id=None)
-    out = {"model.embed_tokens.weight": sd[WORD_EMBEDDING], "model.norm.weight": sd["final_layernorm.weight"],
-           "lm_head.weight": _lm_head(cfg, sd)}
-    params = ["weight", "bias"] if cfg.add_bias_linear else ["weight"]
-    for i in range(cfg.num_layers):
-        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
-        out[dst + "input_layernorm.weight"] = sd[src + "input_layernorm.weight"]
-        out[dst + "post_attention_layernorm.weight"] = sd[src + "pre_mlp_layernorm.weight"]
-        for p in params:
-            q, k, v = split_qkv(cfg, sd[src + f"self_attention.linear_qkv.{p}"])
-            out.update({dst + f"self_attn.q_proj.{p}": q, dst + f"self_attn.k_proj.{p}": k,
-                        dst + f"self_attn.v_proj.{p}": v,
-                        dst + f"self_attn.o_proj.{p}": sd[src + f"self_attention.linear_proj.{p}"],
-                        # our SwiGLU is silu(fc1_gate(x)) * fc1(x)
-                        dst + f"mlp.gate_proj.{p}": sd[src + f"mlp.linear_fc1_gate.{p}"],
-                        dst + f"mlp.up_proj.{p}": sd[src + f"mlp.linear_fc1.{p}"],
-                        dst + f"mlp.down_proj.{p}": sd[src + f"mlp.linear_fc2.{p}"]})
-    return _instantiate(LlamaForCausalLM, hf_cfg, out, cfg.params_dtype)
-
-
-def _instantiate(cls, hf_cfg, state: dict[str, torch.Tensor], dtype: torch.dtype) -> PreTrainedModel:
-    model = cls(hf_cfg).to(dtype)
-    model.load_state_dict({k: v.contiguous() for k, v in state.items()}, strict=True)
-    return model.eval()
-
-
-def to_hf_model(cfg: TransformerConfig, sd: dict[str, torch.Tensor]) -> PreTrainedModel:
-    """The Hugging Face model holding exactly the weights of a full (TP = PP = 1 names) state dict."""
-    return gpt2_model(cfg, sd) if model_family(cfg) == "gpt2" else llama_model(cfg, sd)
+    for name, t in hf_tensors(cfg, vocab_size, ours):
+        t = t.to(cfg.params_dtype).contiguous()
+        if shard and size + t.nbytes > max_shard_bytes:
+            flush()
+        shard[name] = t
+        size += t.nbytes
+        total += t.numel()
+    flush()
+    if len(shards) == 1:
+        os.replace(os.path.join(output, "model-00001.safetensors.tmp"), os.path.join(output, "model.safetensors"))
+        return total
+    weight_map = {}
+    for i, names in enumerate(shards, 1):
+        final = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(os.path.join(output, f"model-{i:05d}.safetensors.tmp"), os.path.join(output, final))
+        weight_map.update(dict.fromkeys(names, final))
+    with open(os.path.join(output, SAFETENSORS_INDEX), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": sum(os.path.getsize(os.path.join(output, v))
+                                                  for v in set(weight_map.values()))},
+                   "weight_map": weight_map}, f, indent=1)
+    return total
 
 
 def convert(output: str, *, load: str | None = None, iteration: int | None = None, state_dict: str | None = None,
-            args_from: str | None = None) -> PreTrainedModel:
-    """Read a checkpoint (or a consolidated state dict + args) and write a Hugging Face model to ``output``."""
+            args_from: str | None = None, max_shard_size: str = "2GB") -> str:
+    """Read a checkpoint (or a consolidated state dict + args) and write a Hugging Face model to ``output``.
+
+    Returns the Hugging Face architecture written."""
     if (load is None) == (state_dict is None):
         raise CheckpointError("give exactly one input: --load CKPT_DIR, or --state-dict FILE with --args-from")
     if state_dict is not None:
@@ -143,31 +91,35 @@ def convert(output: str, *, load: str | None = None, iteration: int | None = Non
         if args_from is None:
             raise CheckpointError("--state-dict needs --args-from CKPT_DIR|args.json for the model's shape")
         args = load_args_from(args_from)
-        sd = load_consolidated_state_dict(state_dict, args)
+        ours = open_state_dict(state_dict, args)
     else:
-        args, sd = load_full_state_dict(load, iteration)
+        args, ours = open_checkpoint(load, iteration)
         if args_from is not None:
             args = load_args_from(args_from)
     cfg = model_config_from_args(args)
-    model = to_hf_model(cfg, sd)
-    print(f"> writing {type(model).__name__} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
-          f"parameters) to {output}", flush=True)
-    model.save_pretrained(output)
-    return model
+    vocab = int(args.get("true_vocab_size") or cfg.padded_vocab_size)
+    count = write_hf(output, cfg, vocab, ours, _parse_size(max_shard_size))
+    arch = hf_config(cfg, vocab).architectures[0]
+    print(f"> wrote {arch} ({count / 1e6:.2f}M parameters) to {output}", flush=True)
+    return arch
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--load", help="Megatron checkpoint directory (holds latest_checkpointed_iteration.txt)")
+    p.add_argument("--load", help="checkpoint directory (holds latest_checkpointed_iteration.txt)")
     p.add_argument("--iteration", type=int, default=None, help="iteration to export (default: the latest)")
-    p.add_argument("--state-dict", help="full fp32 state dict file {name: tensor} (single-process names)")
+    p.add_argument("--state-dict", help="full fp32 state dict file {name: tensor} (single-process names), or the "
+                                        "directory zero_to_fp32.py / the consolidation writes")
     p.add_argument("--args-from", help="checkpoint directory or JSON file with the model args (for --state-dict)")
     p.add_argument("--output", required=True, help="Hugging Face model directory to write")
+    p.add_argument("--max-shard-size", default="2GB", help="largest safetensors file, e.g. 500MB, 2GB (default)")
     a = p.parse_args(argv)
     try:
-        convert(a.output, load=a.load, iteration=a.iteration, state_dict=a.state_dict, args_from=a.args_from)
+        convert(a.output, load=a.load, iteration=a.iteration, state_dict=a.state_dict, args_from=a.args_from,
+                max_shard_size=a.max_shard_size)
     except CheckpointError as e:
-        p.error(str(e))
+        print(f"convert_to_hf.py: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -16,14 +16,9 @@ import re
 import torch
 
 from megatron.core.transformer_config import TransformerConfig
-from megatron.training.checkpointing import (
-    CheckpointError,
-    checkpoint_file,
-    load_file,
-    read_tracker,
-    saved_mesh,
-    tracker_path,
-)
+from megatron.training.checkpoint.checkpointer import iteration_dir, read_tracker, tracker_path
+from megatron.training.checkpoint.legacy import checkpoint_file, load_file, saved_mesh
+from zero_cache.checkpoint import CheckpointError, distributed
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
@@ -44,7 +39,7 @@ _PARTITION_DIMS = {
 _CONFIG_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "padded_vocab_size",
                 "ffn_hidden_size", "num_query_groups", "kv_channels", "max_position_embeddings",
                 "position_embedding_type", "rotary_base", "normalization", "layernorm_epsilon", "swiglu",
-                "add_bias_linear", "untie_embeddings_and_output_weights")
+                "add_bias_linear", "untie_embeddings_and_output_weights", "openai_gelu")
 _REQUIRED_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "padded_vocab_size")
 
 
@@ -121,9 +116,18 @@ def resolve_iteration(load_dir: str, iteration: int | None = None) -> int:
     return it
 
 
+def _distributed_dir(load_dir: str, iteration: int) -> str | None:
+    """The iteration's directory when it is a distributed checkpoint, else None (Megatron's legacy layout)."""
+    path = iteration_dir(load_dir, iteration)
+    return path if distributed.is_checkpoint(path) else None
+
+
 def read_args(load_dir: str, iteration: int | None = None) -> dict:
-    """The ``args`` dict stored in a checkpoint (read from the first file, memory-mapped)."""
+    """The ``args`` dict stored in a checkpoint (legacy layout: read from the first file, memory-mapped)."""
     it = resolve_iteration(load_dir, iteration)
+    path = _distributed_dir(load_dir, it)
+    if path is not None:
+        return dict(distributed.load_objects(path, ["args"])["args"])
     _, pp = saved_mesh(load_dir, it)
     return dict(load_file(checkpoint_file(load_dir, it, 0, 0, pp), mmap=True)["args"])
 
@@ -197,3 +201,47 @@ def load_consolidated_state_dict(path: str, args: dict) -> dict[str, torch.Tenso
         raise CheckpointError(f"--state-dict {path} must hold a flat dict {{parameter name: tensor}}")
     check_full_state_dict(model_config_from_args(args), state, f"--state-dict {path}")
     return state
+
+
+def _lazy(names: set[str], read) -> callable:
+    """``read(name)`` for the names a checkpoint has; a clear error for the others."""
+    def get(name: str) -> torch.Tensor:
+        if name not in names:
+            raise CheckpointError(f"the checkpoint holds no '{name}'; its args do not describe its weights")
+        return read(name)
+    return get
+
+
+def open_checkpoint(load_dir: str, iteration: int | None = None) -> tuple[dict, callable]:
+    """(args, ``read(full name) -> tensor``) of a checkpoint of either format. A distributed checkpoint is read
+    one global tensor per call; the legacy layout is reassembled in memory first."""
+    it = resolve_iteration(load_dir, iteration)
+    path = _distributed_dir(load_dir, it)
+    if path is None:
+        args, full = load_full_state_dict(load_dir, it, progress=lambda msg: None)
+        return args, full.__getitem__
+    args = read_args(load_dir, it)
+    index = distributed.read_index(path)
+    metadata = distributed.verified_metadata(path)
+    names = {k.split("/", 1)[1] for k in index if k.startswith(distributed.PARAM + "/")}
+    missing = sorted(set(expected_names(model_config_from_args(args))) - names)
+    if missing:
+        raise CheckpointError(f"checkpoint {path} lacks {missing[:5]} that its args imply")
+    return args, _lazy(names, lambda n: distributed.load_tensor(path, n, metadata=metadata))
+
+
+def open_state_dict(path: str, args: dict) -> callable:
+    """``read(full name) -> tensor`` of a consolidated directory (one file read per call) or a state dict file."""
+    cfg = model_config_from_args(args)
+    if not os.path.isdir(path):
+        return load_consolidated_state_dict(path, args).__getitem__
+    index_path = os.path.join(path, "index.json")
+    if not os.path.isfile(index_path):
+        raise CheckpointError(f"--state-dict {path} is a directory without index.json: an unfinished "
+                              "consolidation? Run tools/checkpoint/zero_to_fp32.py again")
+    with open(index_path, encoding="utf-8") as f:
+        index = json.load(f)["tensors"]
+    missing = sorted(set(expected_names(cfg)) - set(index))
+    if missing:
+        raise CheckpointError(f"--state-dict {path} lacks {missing[:5]} that the model arguments imply")
+    return _lazy(set(index), lambda n: load_file(os.path.join(path, index[n]["file"])))

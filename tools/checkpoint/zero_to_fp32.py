@@ -1,11 +1,14 @@
-"""Consolidate a ZeRO checkpoint written by ``pretrain_gpt.py --deepspeed`` into one fp32 state dict.
+"""Consolidate a checkpoint written by ``pretrain_gpt.py`` into one fp32 state dict, one file per tensor.
 
-    python tools/checkpoint/zero_to_fp32.py <save dir> <out dir> [--tag global_stepN]
+    python tools/checkpoint/zero_to_fp32.py <save dir> <out dir> [--tag iter_0000100|global_step100]
 
 The output directory holds one ``<name>.pt`` per tensor with the single-process
 model's names (global layer indices, tensor-parallel shards concatenated),
 ``args.json`` (the run's model arguments) and ``index.json`` (written last).
-It streams: the engine's consolidation assembles one data-parallel-sharded
+A distributed checkpoint (``--ckpt-format torch_dist``, the default; the tag defaults to the iteration
+the tracker names) holds global tensors already: each is read and written on its own. The per-rank layout
+of ``--deepspeed --ckpt-format torch`` (tag default: ``latest``) streams too: the engine's consolidation
+assembles one data-parallel-sharded
 tensor at a time per model-parallel rank from the checkpoint's slice files
 (one open at a time), and the tensor-parallel pieces of one tensor are read
 memory-mapped and copied into the joined tensor before the next is read, so
@@ -21,9 +24,14 @@ import shutil
 import sys
 import tempfile
 
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
 import torch
 
+from megatron.training.checkpoint.checkpointer import iteration_dir, read_tracker
 from tools.checkpoint.loader import OUTPUT_LAYER, global_name, partition_dim
+from zero_cache.checkpoint import distributed
 from zero_cache.checkpoint.consolidate import consolidate
 from zero_cache.checkpoint.sharded import file_prefix, latest_tag
 from zero_cache.checkpoint.slices import atomic_torch_save
@@ -57,7 +65,27 @@ def _join(pieces: list[tuple[str, list[int]]], dim: int | None) -> torch.Tensor:
     return full
 
 
+def _distributed_tag(save_dir: str, tag: str | None) -> str | None:
+    """The tag of a distributed checkpoint to consolidate, or None for the per-rank layout."""
+    if tag is None:
+        iteration = read_tracker(save_dir)
+        if iteration is None:
+            return None
+        tag = os.path.basename(iteration_dir(save_dir, iteration))
+    return tag if distributed.is_checkpoint(os.path.join(save_dir, tag)) else None
+
+
+def _write_args(out_dir: str, args: dict) -> None:
+    with open(os.path.join(out_dir, "args.json"), "w", encoding="utf-8") as f:
+        json.dump(args, f, indent=1)
+
+
 def zero_to_fp32(save_dir: str, out_dir: str, tag: str | None = None) -> dict[str, dict]:
+    dist_tag = _distributed_tag(save_dir, tag)
+    if dist_tag is not None:
+        os.makedirs(out_dir, exist_ok=True)
+        _write_args(out_dir, dict(distributed.load_objects(os.path.join(save_dir, dist_tag), ["args"])["args"]))
+        return consolidate(save_dir, out_dir, dist_tag)
     tag = tag or latest_tag(save_dir)
     args = _read_args(save_dir, tag)
     tp, pp = args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]
@@ -87,8 +115,7 @@ def zero_to_fp32(save_dir: str, out_dir: str, tag: str | None = None) -> dict[st
                 del full
             for d, _ in parts:
                 shutil.rmtree(d)
-    with open(os.path.join(out_dir, "args.json"), "w", encoding="utf-8") as f:
-        json.dump(args, f, indent=1)
+    _write_args(out_dir, args)
     tmp_index = os.path.join(out_dir, f"index.json.tmp.{os.getpid()}")
     with open(tmp_index, "w", encoding="utf-8") as f:
         json.dump({"tag": tag, "tensors": index}, f, indent=1)
@@ -100,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("save_dir", help="the --save directory of a pretrain_gpt.py --deepspeed run")
     ap.add_argument("out_dir", help="output directory: one fp32 .pt per tensor, args.json, index.json")
-    ap.add_argument("--tag", default=None, help="checkpoint tag, e.g. global_step100 (default: latest)")
+    ap.add_argument("--tag", default=None, help="checkpoint tag, e.g. iter_0000100 or global_step100 (default: the "
+                                                "latest: the tracker's iteration, else the per-rank layout's latest)")
     a = ap.parse_args(argv)
     index = zero_to_fp32(a.save_dir, a.out_dir, a.tag)
     print(f"zero_to_fp32: wrote {len(index)} tensors to {a.out_dir}", file=sys.stderr)

@@ -100,7 +100,8 @@ class _Chunk:
     offsets: tuple[int, ...]  # global
     sizes: tuple[int, ...]
     read: Callable[[], torch.Tensor] | None = None  # save: the chunk's values, shaped ``sizes``
-    commit: Callable[[tuple[int, ...], tuple[int, ...], torch.Tensor], None] | None = None  # load: region in
+    # load: commit(region offsets within the chunk, region lengths, values) writes a region into its state
+    commit: Callable[[tuple[int, ...], tuple[int, ...], torch.Tensor], None] | None = None
 
 
 @dataclass
@@ -399,12 +400,13 @@ def save(directory: str, source: StateSource, *, layout: Layout = whole, objects
 
 def read_index(directory: str) -> dict[str, tuple[int, ...] | None]:
     """{DCP key: global shape, or None for a plain object} of a checkpoint, its metadata file verified."""
-    metadata = _verified_metadata(directory)
+    metadata = verified_metadata(directory)
     return {k: (tuple(v.size) if isinstance(v, TensorStorageMetadata) else None)
             for k, v in metadata.state_dict_metadata.items()}
 
 
-def _verified_metadata(directory: str):
+def verified_metadata(directory: str):
+    """DCP's metadata of a checkpoint, its file verified against the checksums first."""
     checksums = integrity.read_checksums(directory)
     if checksums.get("format") != FORMAT:
         raise CheckpointError(f"{directory}: format {checksums.get('format')!r}, this version reads {FORMAT!r}")
@@ -464,7 +466,7 @@ def _all_ranks(names: set[str], group) -> set[str]:
 def load_tensor(directory: str, name: str, state: str = PARAM, metadata=None) -> torch.Tensor:
     """One whole global tensor (``state`` of parameter ``name``, or ``tensor`` for a replicated one), read in
     a single process: for tools that stream a checkpoint tensor by tensor."""
-    metadata = metadata or _verified_metadata(directory)
+    metadata = metadata or verified_metadata(directory)
     key = state_key(state, name)
     md = metadata.state_dict_metadata.get(key)
     if not isinstance(md, TensorStorageMetadata):

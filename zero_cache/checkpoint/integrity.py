@@ -82,3 +82,35 @@ def verify(directory: str, entries: dict[str, dict], names) -> None:
         if crc != want["crc32"]:
             raise CheckpointError(f"{path} is corrupted: CRC-32 {crc:#010x}, {want['crc32']:#010x} was written; "
                                   f"load an earlier iteration")
+
+
+# A single file's checksum beside it, for the per-rank layouts (each rank writes its own files).
+def sidecar_path(path: str) -> str:
+    return f"{path}.crc32"
+
+
+def write_sidecar(path: str) -> None:
+    """Record ``path``'s size and CRC-32 in ``<path>.crc32`` (written aside, then renamed)."""
+    size, crc = file_crc32(path)
+    side = sidecar_path(path)
+    tmp = f"{side}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"bytes": size, "crc32": crc}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, side)
+
+
+def verify_sidecar(path: str) -> bool:
+    """Check ``path`` against its sidecar; False when there is none (a file written without one)."""
+    side = sidecar_path(path)
+    if not os.path.isfile(side):
+        return False
+    try:
+        with open(side, encoding="utf-8") as f:
+            want = json.load(f)
+        entries = {os.path.basename(path): {"bytes": int(want["bytes"]), "crc32": int(want["crc32"])}}
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{side} is damaged ({e}); load an earlier iteration") from None
+    verify(os.path.dirname(path) or ".", entries, [os.path.basename(path)])
+    return True

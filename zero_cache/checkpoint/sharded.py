@@ -20,6 +20,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from . import integrity
 from .interface import EXP_AVG, EXP_AVG_SQ, PARAM, ShardedStateSource
 from .slices import CheckpointError, SliceFiles, atomic_torch_save, pieces, write_slices
 
@@ -113,10 +114,12 @@ def save(source: ShardedStateSource, save_dir: str, tag: str, client_state: dict
             "global_steps": training["optimizer_step"], "client_state": client_state,
         }
         atomic_torch_save(model_states, prefix + "_model_states.pt")
+        integrity.write_sidecar(prefix + "_model_states.pt")
         del model_states
         optim_states = {"format": FORMAT, **_states(source, prefix, "optim", OPTIM_STATES),
                         "training_state": training}
         atomic_torch_save(optim_states, prefix + "_optim_states.pt")
+        integrity.write_sidecar(prefix + "_optim_states.pt")
     finally:
         source.transfer_pool.trim()
     _barrier()
@@ -130,6 +133,7 @@ def _read_metadata(path: str, tag_dir: str) -> dict:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} is missing: checkpoint '{tag_dir}' is incomplete or was written with "
                                 f"another parallel layout")
+    integrity.verify_sidecar(path)  # files of formats 1 and 2 have none
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a truncated or damaged zip archive

@@ -23,6 +23,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--openai-gelu", action="store_true", help="GELU's tanh approximation (GPT-2's gelu_new)")
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
@@ -54,6 +55,7 @@ def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
         normalization=args.normalization, layernorm_epsilon=args.norm_epsilon, swiglu=args.swiglu,
+        openai_gelu=args.openai_gelu,
         add_bias_linear=not args.disable_bias_linear,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,

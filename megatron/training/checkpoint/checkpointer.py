@@ -68,28 +68,24 @@ def read_tracker(root: str) -> int | None:
 
 
 def remove_leftovers(root: str) -> list[str]:
-    """Remove what crashed saves left in ``root``: distributed checkpoint directories without their checksums
-    file and temporary files (``*.tmp.<pid>``). Returns the removed paths. Only one rank may call it."""
+    """Remove what crashed saves left under ``root``: distributed checkpoint directories without their checksums
+    file, and temporary files (``*.tmp.<pid>``) of any layout. Returns the removed paths. One rank calls it."""
     removed = []
     if not os.path.isdir(root):
         return removed
     for name in os.listdir(root):
         path = os.path.join(root, name)
-        if _TMP.search(name) and os.path.isfile(path):
-            os.remove(path)
-            removed.append(path)
-        elif _ITER_DIR.match(name) and os.path.isdir(path):
+        if _ITER_DIR.match(name) and os.path.isdir(path):
             files = os.listdir(path)
             started = any(f == distributed.METADATA or f.endswith(".distcp") for f in files)
             if started and integrity.CHECKSUMS not in files:
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
-                continue
-            for sub, _, names in os.walk(path):
-                for f in names:
-                    if _TMP.search(f):
-                        os.remove(os.path.join(sub, f))
-                        removed.append(os.path.join(sub, f))
+    for directory, _, names in os.walk(root):
+        for f in names:
+            if _TMP.search(f):
+                os.remove(os.path.join(directory, f))
+                removed.append(os.path.join(directory, f))
     return removed
 
 
@@ -117,11 +113,13 @@ class Checkpointer:
              optimizer: bool = True) -> None:
         """Write ``iteration``; returns at once under ``async_save`` (the files are written in the background)."""
         self.wait()
+        directory = iteration_dir(self.save_dir, iteration)
+        if distributed.is_checkpoint(directory):  # nothing changed since it was saved (no step ran)
+            return
         start = time.perf_counter()
         if _rank() == 0:
             remove_leftovers(self.save_dir)
         _barrier(self.group)
-        directory = iteration_dir(self.save_dir, iteration)
         self._pending = {"iteration": iteration, "start": start, "blocked": 0.0}
         job = (directory, source, layout, objects, optimizer)
         if not self.async_save:

@@ -13,69 +13,32 @@ written, so a crash mid-save leaves the previous checkpoint as the one loaded.
 """
 from __future__ import annotations
 
-import collections
 import os
-import random
 import re
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
-from zero_cache.checkpoint import CheckpointError
+from megatron.training.checkpoint.checkpointer import TRACKER, iteration_dir, read_tracker, tracker_path, write_tracker
+from megatron.training.checkpoint.config import CheckpointConfig
+from megatron.training.checkpoint.rng import get_rng_state, set_rng_state, to_plain
+from zero_cache.checkpoint import CheckpointError, integrity
 
 CHECKPOINT_VERSION = 3.0
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
 _MP_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
 
-@dataclass(frozen=True)
-class CheckpointConfig:
-    save: str | None  # directory to save checkpoints to (None: no saving)
-    load: str | None  # directory to load the latest checkpoint from (None: start from scratch)
-    save_interval: int | None  # iterations between saves (None: save at the end of training only)
-    no_save_optim: bool = False  # leave optimizer and scheduler state out of saved checkpoints
-    no_load_optim: bool = False  # do not restore optimizer and scheduler state
-    no_load_rng: bool = False  # do not restore the RNG states
-    finetune: bool = False  # restore the weights only and start at iteration 0
-
-    def __post_init__(self):
-        if self.save_interval is not None and self.save_interval < 1:
-            raise ValueError(f"--save-interval must be >= 1 (got {self.save_interval})")
-
-
 # ----- paths -----
-def tracker_path(root: str) -> str:
-    return os.path.join(root, TRACKER_FILENAME)
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
 def mp_rank_dirname(tp_rank: int, pp_rank: int, pp_size: int) -> str:
     return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
 def checkpoint_file(root: str, iteration: int, tp_rank: int, pp_rank: int, pp_size: int) -> str:
     return os.path.join(iteration_dir(root, iteration), mp_rank_dirname(tp_rank, pp_rank, pp_size), MODEL_FILENAME)
-
-
-def read_tracker(root: str) -> int | None:
-    """The iteration named by ``<root>/latest_checkpointed_iteration.txt``; None when there is none."""
-    path = tracker_path(root)
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        text = f.read().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"{path} should hold an iteration number but holds {text!r}; "
-                              "fix or delete it (then the directory is treated as holding no checkpoint)")
-    return int(text)
 
 
 def saved_mesh(root: str, iteration: int) -> tuple[int, int]:
@@ -93,7 +56,8 @@ def saved_mesh(root: str, iteration: int) -> tuple[int, int]:
 
 
 def write_atomic(obj: Any, path: str) -> None:
-    """torch.save to ``path`` via a temporary file in the same directory and an atomic rename."""
+    """torch.save to ``path`` via a temporary file in the same directory and an atomic rename; its checksum
+    goes beside it (``integrity.write_sidecar``)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
@@ -105,16 +69,7 @@ def write_atomic(obj: Any, path: str) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-
-
-def write_tracker(root: str, iteration: int) -> None:
-    path = tracker_path(root)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(f"{iteration}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    integrity.write_sidecar(path)
 
 
 def load_file(path: str, *, mmap: bool = False) -> dict:
@@ -122,60 +77,12 @@ def load_file(path: str, *, mmap: bool = False) -> dict:
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} does not exist; the checkpoint is incomplete "
                               "(was it saved with a different tensor/pipeline-parallel size?)")
+    integrity.verify_sidecar(path)  # files written before checksums were recorded have none
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # torch raises several types for truncated / foreign files
         raise CheckpointError(f"cannot read checkpoint file {path} ({type(e).__name__}: {e}); the file is "
                               "corrupt or not a checkpoint: restore it or load an earlier iteration") from e
-
-
-# ----- plain values only -----
-def to_plain(obj: Any, where: str = "state") -> Any:
-    """Convert numpy values to tensors / Python numbers and reject anything weights_only=True cannot load."""
-    if isinstance(obj, torch.Tensor) or obj is None or isinstance(obj, (bool, int, float, str, bytes)):
-        return obj
-    if isinstance(obj, (torch.dtype, torch.Size, torch.device)):
-        return obj
-    if isinstance(obj, np.ndarray):
-        return torch.from_numpy(obj.astype(np.int64) if obj.dtype == np.uint32 else obj.copy())
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, dict):
-        out = collections.OrderedDict() if isinstance(obj, collections.OrderedDict) else {}
-        for k, v in obj.items():
-            out[k] = to_plain(v, f"{where}[{k!r}]")
-        return out
-    if isinstance(obj, (list, tuple)):
-        return (list if isinstance(obj, list) else tuple)(to_plain(v, f"{where}[{i}]") for i, v in enumerate(obj))
-    raise CheckpointError(f"{where} is a {type(obj).__name__}, which torch.load(weights_only=True) cannot read; "
-                          "store tensors, numbers, strings, lists or dicts instead")
-
-
-# ----- RNG -----
-def get_rng_state(rng_tracker=None) -> dict:
-    np_state = np.random.get_state()
-    state = {
-        "random_rng_state": list(random.getstate()),
-        "np_rng_state": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]),
-                         int(np_state[3]), float(np_state[4])],
-        "torch_rng_state": torch.get_rng_state(),
-        "rng_tracker_states": rng_tracker.get_states() if rng_tracker is not None else {},
-    }
-    if torch.cuda.is_available():
-        state["cuda_rng_state"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict, rng_tracker=None) -> None:
-    version, internal, gauss = state["random_rng_state"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["np_rng_state"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch_rng_state"])
-    if "cuda_rng_state" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda_rng_state"])
-    if rng_tracker is not None:
-        rng_tracker.set_states(state["rng_tracker_states"])
 
 
 # ----- mesh -----
@@ -255,7 +162,6 @@ def save_checkpoint(cfg: CheckpointConfig, iteration: int, model: torch.nn.Modul
     _barrier()  # every file is in place before the tracker names this iteration
     if not dist.is_initialized() or dist.get_rank() == 0:
         write_tracker(cfg.save, iteration)
-        print(f"> saved checkpoint at iteration {iteration} to {cfg.save}", flush=True)
     _barrier()  # nobody reads or prunes checkpoints before the tracker is updated
     return iteration_dir(cfg.save, iteration)
 
@@ -284,7 +190,7 @@ def load_checkpoint(cfg: CheckpointConfig, model: torch.nn.Module, optimizer, sc
         return 0, 0
     iteration = read_tracker(cfg.load)
     if iteration is None:
-        print(f"> --load {cfg.load}: no {TRACKER_FILENAME} there, starting from scratch at iteration 0", flush=True)
+        print(f"> --load {cfg.load}: no {TRACKER} there, starting from scratch at iteration 0", flush=True)
         return 0, 0
     mesh = _mesh()
     _check_mesh(cfg.load, iteration, mesh)
@@ -317,7 +223,4 @@ def load_checkpoint(cfg: CheckpointConfig, model: torch.nn.Module, optimizer, sc
         iteration, consumed = 0, 0
     else:
         iteration, consumed = int(state["iteration"]), int(state["consumed_samples"])
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"> loaded checkpoint {iteration_dir(cfg.load, int(state['iteration']))} "
-              f"(resuming at iteration {iteration}, {consumed} consumed samples)", flush=True)
     return iteration, consumed

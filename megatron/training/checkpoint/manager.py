@@ -1,0 +1,151 @@
+"""The training loop's checkpoints: what a checkpoint holds besides the model states, which format, resume.
+
+Saving (``--ckpt-format torch_dist``, the default) writes the backend's states as global tensors (any mesh,
+ZeRO stage or tier placement resumes from them) plus ``args``, ``iteration``, ``consumed_samples``,
+``opt_param_scheduler`` and every rank's RNG states (see ``checkpointer.py``). ``--ckpt-format torch`` keeps
+the per-rank legacy layouts. Loading finds the format of the iteration the tracker names: a distributed
+checkpoint is resharded onto this run; a legacy one must match its mesh. A model that differs from the saved
+one (shape, block design) is one error naming the flags on both sides; RNG states are restored only on the
+mesh that saved them (with dropout, another mesh draws other masks anyway).
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state as ps
+from megatron.training.checkpoint import checkpointer
+from megatron.training.checkpoint.config import CheckpointConfig
+from megatron.training.checkpoint.rng import get_rng_state, set_rng_state, to_plain
+from zero_cache.checkpoint import CheckpointError, distributed
+
+logger = logging.getLogger(__name__)
+
+# Saved and loading runs must agree on these to be the same model; (argument, flag).
+MODEL_KEYS = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
+              ("ffn_hidden_size", "--ffn-hidden-size"), ("num_attention_heads", "--num-attention-heads"),
+              ("num_query_groups", "--num-query-groups"), ("kv_channels", "--kv-channels"),
+              ("position_embedding_type", "--position-embedding-type"), ("normalization", "--normalization"),
+              ("swiglu", "--swiglu"), ("openai_gelu", "--openai-gelu"), ("add_bias_linear", "--disable-bias-linear"),
+              ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"))
+MESH_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
+
+
+def rng_key() -> str:
+    """This rank's RNG states in a checkpoint."""
+    return (f"rng/tp{ps.get_tensor_model_parallel_rank()}_pp{ps.get_pipeline_model_parallel_rank()}"
+            f"_dp{ps.get_data_parallel_rank()}")
+
+
+def check_same_model(saved: dict, ours: dict, where: str) -> None:
+    """One error naming every model flag that differs between a checkpoint's args and this run's."""
+    diffs = [f"{flag} {saved[key]!r} in the checkpoint, {ours[key]!r} in this run" for key, flag in MODEL_KEYS
+             if key in saved and key in ours and saved[key] != ours[key]]
+    if ours.get("position_embedding_type") == "learned_absolute" and \
+            saved.get("max_position_embeddings", ours["max_position_embeddings"]) != ours["max_position_embeddings"]:
+        diffs.append(f"--max-position-embeddings {saved['max_position_embeddings']} in the checkpoint, "
+                     f"{ours['max_position_embeddings']} in this run")
+    if diffs:
+        raise CheckpointError(f"{where} holds another model: {'; '.join(diffs)}; train it with the model flags it "
+                              f"was saved with")
+
+
+class CheckpointManager:
+    """Saves and resumes one run; the backend provides its states, layout and legacy format."""
+
+    def __init__(self, cfg: CheckpointConfig, backend, scheduler, rng_tracker, args: dict[str, Any],
+                 device: torch.device, timeout: datetime.timedelta):
+        self.cfg, self.backend, self.scheduler, self.rng_tracker = cfg, backend, scheduler, rng_tracker
+        self.args = to_plain(dict(args), "args")
+        # DCP's collectives (and a background save) run on their own host group, apart from training's.
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
+        self.saver = checkpointer.Checkpointer(cfg.save, async_save=cfg.async_save, group=self.group, device=device)
+        self.last_save = time.monotonic()
+
+    # ---- saving ----------------------------------------------------------------------------------------------
+    def save(self, iteration: int, consumed_samples: int) -> None:
+        """Save ``iteration`` (collective); under --async-save the files are written in the background."""
+        self.last_save = time.monotonic()
+        if self.cfg.ckpt_format == "torch":
+            start = time.perf_counter()
+            self.backend.save_legacy_checkpoint(self.cfg, iteration, self.scheduler,
+                                                consumed_samples=consumed_samples, args=self.args,
+                                                rng_tracker=self.rng_tracker)
+            if dist.get_rank() == 0:
+                print(f"> saved checkpoint at iteration {iteration} to {self.cfg.save} in "
+                      f"{time.perf_counter() - start:.2f} s", flush=True)
+            return
+        optimizer = not self.cfg.no_save_optim
+        objects = {"args": self.args, "iteration": iteration, "consumed_samples": consumed_samples,
+                   rng_key(): to_plain(get_rng_state(self.rng_tracker), "rng_state")}
+        if optimizer:
+            objects["opt_param_scheduler"] = to_plain(self.scheduler.state_dict(), "scheduler state")
+        self.saver.save(iteration, self.backend.checkpoint_states(), self.backend.checkpoint_layout(), objects,
+                        optimizer=optimizer)
+
+    def wait_before_update(self) -> None:
+        """The optimizer step is about to change the states a background save reads: let it finish."""
+        self.saver.wait_before_update()
+
+    def finish(self) -> None:
+        """End of training: the last save is complete on return."""
+        self.saver.wait()
+
+    def minutes_since_save(self) -> float:
+        return (time.monotonic() - self.last_save) / 60.0
+
+    # ---- loading ---------------------------------------------------------------------------------------------
+    def load(self) -> tuple[int, int]:
+        """Resume from the latest checkpoint under --load: (iteration, consumed samples); (0, 0) without one or
+        with --finetune."""
+        cfg = self.cfg
+        if not cfg.load:
+            return 0, 0
+        if dist.get_rank() == 0:
+            checkpointer.remove_leftovers(cfg.load)
+        if dist.is_initialized():
+            dist.barrier(group=self.group)
+        iteration = checkpointer.read_tracker(cfg.load)
+        if iteration is None:
+            if dist.get_rank() == 0:
+                print(f"> --load {cfg.load}: no {checkpointer.TRACKER} there, starting from scratch at iteration 0",
+                      flush=True)
+            return 0, 0
+        start = time.perf_counter()
+        directory = checkpointer.iteration_dir(cfg.load, iteration)
+        if distributed.is_checkpoint(directory):
+            it, consumed = self._load_distributed(directory)
+        else:  # a legacy layout: the backend's own (or a clear error naming what is missing)
+            it, consumed = self.backend.load_legacy_checkpoint(cfg, iteration, self.scheduler, self.rng_tracker)
+        if dist.get_rank() == 0:
+            print(f"> loaded checkpoint at iteration {iteration} from {cfg.load} in "
+                  f"{time.perf_counter() - start:.2f} s "
+                  f"(resuming at iteration {it}, {consumed} consumed samples)", flush=True)
+        return it, consumed
+
+    def _load_distributed(self, directory: str) -> tuple[int, int]:
+        cfg = self.cfg
+        saved_args = distributed.load_objects(directory, ["args"])["args"]
+        check_same_model(saved_args, self.args, directory)
+        optimizer = not (cfg.no_load_optim or cfg.finetune)
+        want_rng = not (cfg.no_load_rng or cfg.finetune)
+        same_mesh = all(saved_args.get(k) == self.args.get(k) for k in MESH_KEYS)
+        objects = ["iteration", "consumed_samples"] + (["opt_param_scheduler"] if optimizer else [])
+        optional = [rng_key()] if want_rng and same_mesh else []
+        loaded = checkpointer.load(directory, self.backend.checkpoint_states(), self.backend.checkpoint_layout(),
+                                   objects=objects, optional=optional, optimizer=optimizer, group=self.group)
+        if optimizer:
+            self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        if want_rng and rng_key() in loaded:
+            set_rng_state(loaded[rng_key()], self.rng_tracker)
+        elif want_rng and dist.get_rank() == 0:
+            mesh = ", ".join(f"{k.split('_')[0]} {saved_args.get(k)} -> {self.args.get(k)}" for k in MESH_KEYS)
+            logger.warning("checkpoint %s was saved on another mesh (%s): RNG states start fresh", directory, mesh)
+        if cfg.finetune:
+            return 0, 0
+        return int(loaded["iteration"]), int(loaded["consumed_samples"])
