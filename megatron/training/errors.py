@@ -3,8 +3,9 @@
 - Bad input (flags, configs, data, checkpoints, the SSD tier): ``<prog>: error: <message>``, exit code 2. When
   every rank hits the same error, only the first rank to report it prints (they agree through the job's store).
 - A collective that fails because another rank died or stopped answering:
-  ``rank R: stopping: another rank failed (<exception type>)``, exit code 1. That rank's own output holds the
-  cause; a traceback here would only bury it.
+  ``rank R: stopping: another rank failed (<exception type>)``, exit code 1, a moment after the failing rank
+  (so torchrun and the launcher see that one first). Its own output holds the cause; a traceback here would only
+  bury it.
 - Anything else is a bug: its traceback is printed as usual.
 
 ``ptm-launch`` recognises these lines (ptm_launch/node_output.py): it shows the first cause once and exits with
@@ -16,6 +17,7 @@ import datetime
 import os
 import re
 import sys
+import time
 from typing import Callable, NoReturn, TypeVar
 
 import torch.distributed as dist
@@ -38,6 +40,9 @@ _PEER_LOST_RE = re.compile(
     r"failed to send|read error|unexpected eof", re.IGNORECASE)
 _REPORTED_KEY = "ptm_errors/first_reporter"
 _STORE_TIMEOUT = datetime.timedelta(seconds=10)
+# torchrun names the first rank it sees exit as the root cause, with a resolution of its 0.1 s poll (and
+# timestamps of a second): a rank stopped by another one's failure leaves a little later, so that is the cause.
+OTHER_RANK_EXIT_DELAY_S = 2.0
 
 
 def rank() -> int:
@@ -101,6 +106,7 @@ def run_trainer(train: Callable[[], T], prog: str = "pretrain_gpt.py") -> T:
         if not is_other_rank_failure(exc):
             raise
         _print(f"rank {rank()}: stopping: another rank failed ({type(exc).__name__})")
+        time.sleep(OTHER_RANK_EXIT_DELAY_S)
         raise SystemExit(EXIT_OTHER_RANK_FAILED) from None
 
 

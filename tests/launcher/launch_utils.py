@@ -116,3 +116,14 @@ def gpt_losses_by_iteration(lines: list[str] | str) -> dict[int, str]:
     """{iteration: lm loss as printed}; an iteration trained again after a restart keeps its last value."""
     lines = lines.splitlines() if isinstance(lines, str) else lines
     return {int(m[1]): m[2] for m in map(_GPT_ITERATION_RE.search, lines) if m}
+
+
+def tiny_gpt_args(iters: int = 12) -> list[str]:
+    """pretrain_gpt.py flags of the training tests' tiny GPT (mock data, DP over the ranks), logging every
+    iteration, with dropout on so that a resumed run must restore the RNG states too."""
+    from tests.training.parallel_harness import TINY_GPT
+
+    args = list(TINY_GPT)
+    for flag, value in (("--train-iters", str(iters)), ("--log-interval", "1"), ("--hidden-dropout", "0.1")):
+        args[args.index(flag) + 1] = value
+    return args

@@ -46,6 +46,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys, monkeypatch):
 ])
 def test_a_rank_stopped_by_another_ones_failure_says_so(exc, other_rank, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "5")
+    monkeypatch.setattr(errors, "OTHER_RANK_EXIT_DELAY_S", 0.0)
     assert errors.is_other_rank_failure(exc) == other_rank
 
     def fail():

@@ -19,30 +19,23 @@ from tests.launcher.launch_utils import (
     LiveLauncher,
     gpt_losses_by_iteration,
     run_launcher,
+    tiny_gpt_args,
 )
 from tests.launcher.standin_train import reference_losses
-from tests.training.parallel_harness import TINY_GPT
 
 pytestmark = pytest.mark.multiprocess
 
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 
 
-def _gpt_args(iters: int = 12) -> list[str]:
-    args = list(TINY_GPT)
-    for flag, value in (("--train-iters", str(iters)), ("--log-interval", "1"), ("--hidden-dropout", "0.1")):
-        args[args.index(flag) + 1] = value
-    return args
-
-
 def test_killed_rank_restarts_every_rank_from_the_checkpoint_with_the_uninterrupted_losses(tmp_path):
-    reference = run_launcher("--num_gpus", "2", "pretrain_gpt.py", *_gpt_args(), env=CPU_ONLY, timeout=300)
+    reference = run_launcher("--num_gpus", "2", "pretrain_gpt.py", *tiny_gpt_args(), env=CPU_ONLY, timeout=300)
     assert reference.returncode == 0, reference.stdout
     expected = gpt_losses_by_iteration(reference.stdout)
     assert sorted(expected) == list(range(1, 13))
 
     ckpt = tmp_path / "ckpt"
-    live = LiveLauncher("--num_gpus", "2", "--max_restarts", "1", "pretrain_gpt.py", *_gpt_args(),
+    live = LiveLauncher("--num_gpus", "2", "--max_restarts", "1", "pretrain_gpt.py", *tiny_gpt_args(),
                         "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "3", env=CPU_ONLY)
     live.wait_for(re.compile(r"iteration\s+7/"), timeout=300)
     victim = live.workers()[1]
