@@ -109,6 +109,12 @@ class Restarts:
         self.pending = _Pending(self.used, now)
         return True
 
+    def cancel(self) -> None:
+        """The pending restart does not happen (the job ends instead): it is not counted."""
+        if self.pending is not None:
+            self.used -= 1
+            self.pending = None
+
     def add(self, failure: Failure) -> None:
         if self.pending is not None:
             self.pending.failures.append(failure)

@@ -25,6 +25,7 @@ from ptm_launch.restarts import Failure, Restarts, cause_of
 
 _POLL_S = 0.1
 _KILL_WAIT_S = 5.0
+EXIT_BAD_INPUT = 2  # a rank's verdict on its input (megatron/training/errors.py, argparse): a restart repeats it
 
 
 def relaunchable(code: int) -> bool:
@@ -123,6 +124,7 @@ class Supervisor:
         self._lock = threading.Lock()
         self._stop_signal: int | None = None
         self._force = False  # a second signal: kill at once
+        self._bad_input: _Node | None = None  # a rank refused its input: the job ends instead of restarting
 
     def request_stop(self, signum: int) -> None:
         """Signal-handler safe: only sets flags."""
@@ -166,6 +168,8 @@ class Supervisor:
         """Until every node exits 0 (None), one fails for good (that node), or a stop is requested (None)."""
         while self._stop_signal is None:
             self._handle_events()
+            if self._bad_input is not None:
+                return self._bad_input
             for line in self.restarts.messages(time.monotonic()):
                 self._say(line)
             done = True
@@ -200,7 +204,12 @@ class Supervisor:
                                   node.global_rank(event.local_rank), self._cause_line(node, event))
                 self.failures.append(failure)
                 self.restarts.add(failure)
+                if event.exitcode == EXIT_BAD_INPUT and self.restarts.budget and self._bad_input is None:
+                    self._bad_input = node
+                    self.restarts.cancel()
             elif isinstance(event, RestartRequested):
+                if self._bad_input is not None:
+                    continue
                 if self.restarts.begin(event.time):
                     for failure in self._round_failures():
                         if failure not in self.restarts.pending.failures:
@@ -271,7 +280,9 @@ class Supervisor:
             details.append("its error is above")
         if secondary:
             details.append(f"{secondary} other rank(s) stopped because of it")
-        if self.restarts.budget:
+        if self._bad_input is not None:
+            details.append(f"exit code {EXIT_BAD_INPUT} is bad input: not restarted, it would fail the same way")
+        elif self.restarts.budget:
             details.append(f"{self.restarts.used} of {self.restarts.budget} restart(s) used")
         self._say(f"job failed: {cause.describe()}" + (f" ({'; '.join(details)})" if details else ""))
         return cause.exit_status()

@@ -83,6 +83,15 @@ def test_empty_dataset_is_one_line_and_exit_2_under_torchrun_and_ptm_launch(tmp_
     assert len(failure) == 2 and re.fullmatch(r"ptm-launch: job failed: rank [01] \(localhost, local rank [01]\) "
                                               r"exited with code 2 \(its error is above\)", failure[1]), out
 
+    # With restarts the job ends all the same: bad input would fail every restart the same way.
+    restarting = run_launcher("--num_gpus", "2", "--max_restarts", "2", "pretrain_gpt.py",
+                              *_real_data_args(tmp_path / "empty"), env=CPU_ONLY, timeout=300)
+    out = restarting.stdout
+    assert restarting.returncode == 2, out
+    assert out.count(line) == 1 and "restart 1" not in out, out
+    assert out.rstrip().endswith("exited with code 2 (its error is above; exit code 2 is bad input: not restarted, "
+                                 "it would fail the same way)"), out
+
 
 @pytest.mark.multiprocess
 def test_a_killed_rank_under_plain_torchrun_and_ptm_launch():
