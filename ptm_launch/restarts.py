@@ -82,6 +82,7 @@ class _Pending:
     opened: float
     failures: list[Failure] = field(default_factory=list)
     rejoined: set[int] = field(default_factory=set)
+    started_again: set[int] = field(default_factory=set)  # nodes whose torchrun the launcher started again
     announced: bool = False
 
 
@@ -107,6 +108,20 @@ class Restarts:
             return False
         self.used += 1
         self.pending = _Pending(self.used, now)
+        return True
+
+    def begin_node(self, node_rank: int, now: float) -> bool:
+        """The launcher starts a node's torchrun again; a node that fails again before the job is back (its host
+        is gone, say) costs another restart, so this ends when the budget does."""
+        pending = self.pending
+        if pending is not None and node_rank in pending.started_again:
+            if self.left == 0:
+                return False
+            self.used += 1
+            pending.number = self.used
+        elif not self.begin(now):
+            return False
+        self.pending.started_again.add(node_rank)
         return True
 
     def cancel(self) -> None:

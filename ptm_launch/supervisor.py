@@ -240,10 +240,14 @@ class Supervisor:
         now = time.monotonic()
         failure = Failure(node.spec.node_rank, node.spec.host, now, code)
         self.failures.append(failure)
-        if self.respawn is None or not self.restarts.begin(now):
+        if self.respawn is None or not self.restarts.begin_node(node.spec.node_rank, now):
             return False
         self.restarts.add(failure)
-        specs = {spec.node_rank: spec for spec in self.respawn(self.restarts.left)}
+        try:
+            specs = {spec.node_rank: spec for spec in self.respawn(self.restarts.left)}
+        except (OSError, ValueError) as exc:  # e.g. the hostfile is gone or was edited into an error
+            self._say(f"{failure.describe()}; cannot plan its start again: {exc}")
+            return False
         store_host = node.spec.node_rank == 0
         if store_host and len(self.nodes) > 1:
             self._say(f"{failure.describe()}; it hosted the rendezvous, so every node starts again")

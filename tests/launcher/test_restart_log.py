@@ -83,3 +83,13 @@ def test_resume_point_from_the_scripts_load_dir(tmp_path):
     assert tracker.resume_point() == f"from the 'release' checkpoint ({tracker_file})"
     assert CheckpointTracker.from_args([], tmp_path).resume_point() == "from its latest checkpoint"
     assert "--save DIR --load DIR" in CheckpointTracker(None).resume_note()
+
+
+def test_a_node_that_keeps_failing_before_the_job_is_back_spends_the_budget():
+    restarts = Restarts(3)
+    assert restarts.begin(0.0)  # a rank's failure was reported first
+    assert restarts.begin_node(1, 0.5) and restarts.used == 1  # the same failure: its node's torchrun died
+    assert restarts.begin_node(0, 0.6) and restarts.used == 1
+    assert restarts.begin_node(1, 5.0) and restarts.used == 2  # node 1 failed again (its host is gone)
+    assert restarts.begin_node(1, 9.0) and restarts.used == 3
+    assert not restarts.begin_node(1, 13.0)
