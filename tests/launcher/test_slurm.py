@@ -36,7 +36,9 @@ def slurm_env():
         pytest.skip("the Slurm tests start munged, slurmctld and slurmd (scripts/slurm_local.sh): run them as root")
     up = subprocess.run(["bash", str(SETUP), "up"], capture_output=True, text=True, timeout=120)
     assert up.returncode == 0, f"{SETUP} up failed:\n{up.stderr}"
-    return {**os.environ, "SLURM_CONF": up.stdout.strip().splitlines()[-1]}
+    yield {**os.environ, "SLURM_CONF": up.stdout.strip().splitlines()[-1]}
+    if "already up" not in up.stderr:  # leave a cluster that was running before as it was
+        subprocess.run(["bash", str(SETUP), "down"], capture_output=True, text=True, timeout=120, check=True)
 
 
 def _reference() -> dict[int, str]:
