@@ -4,8 +4,6 @@
 """
 from __future__ import annotations
 
-import os
-import sys
 from functools import partial
 
 import torch
@@ -15,7 +13,8 @@ from megatron.core.transformer_config import TransformerConfig
 from megatron.data import build_train_valid_test_datasets, get_ltor_masks_and_position_ids
 from megatron.model.gpt_model import GPTModel
 from megatron.training.arguments import parse_args
-from megatron.training.config import Config, ConfigError
+from megatron.training.config import Config
+from megatron.training.errors import exit_with, run_trainer
 from megatron.training.training import TrainResult, pretrain
 
 
@@ -50,17 +49,10 @@ def forward_step_provider(cfg: Config, tokenizer, device: torch.device):
 
 
 def main(argv: list[str] | None = None) -> TrainResult:
-    """Bad input anywhere in set-up (flags, DeepSpeed JSON) is one line on stderr and exit code 2."""
-    try:
-        cfg = parse_args(argv)
-        return pretrain(cfg, model_provider, datasets_provider, forward_step_provider)
-    except ConfigError as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        raise SystemExit(2) from None
+    """Bad input (flags, configs, data, checkpoints, SSD tier) is one line on stderr and exit code 2; a rank
+    stopped by another rank's failure says so in one line, exit code 1 (megatron/training/errors.py)."""
+    return run_trainer(lambda: pretrain(parse_args(argv), model_provider, datasets_provider, forward_step_provider))
 
 
 if __name__ == "__main__":
-    main()
+    exit_with(main)

@@ -8,6 +8,7 @@
 # Environment overrides (Megatron example-script style):
 #   NPROC (processes on this node; default: GPUs, else 2)   HOSTFILE (multi-node, `host slots=N` lines;
 #   LAUNCH_ARGS passes ptm-launch options, e.g. "--master_port 6000")
+#   MAX_RESTARTS (restart every rank up to N times after a rank or node failure, resuming from SAVE_DIR)
 #   TP, PP (parallel sizes)   MBS, GBS (micro / global batch)   SEQ_LEN   TRAIN_ITERS   LR
 #   DATA_PATH (preprocessed prefix; default: build the sample corpus)   SAVE_DIR (checkpoints; also resumes)
 #   DS_CONFIG (DeepSpeed-style JSON: trains through the zero_cache engine)   EXTRA_ARGS (appended flags)
@@ -109,9 +110,18 @@ ARGS+=(${EXTRA_ARGS:-})
 
 echo "[start.sh] size=$SIZE layers=$LAYERS hidden=$HIDDEN heads=$HEADS ffn=$FFN nproc=$NPROC TP=$TP PP=$PP DP=$DP mbs=$MBS gbs=$GBS seq=$SEQ_LEN"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}"
+RESTARTS=()
+if [ "${MAX_RESTARTS:-0}" != 0 ]; then
+  RESTARTS=(--max_restarts "$MAX_RESTARTS")
+  [ -n "${SAVE_DIR:-}" ] || echo "[start.sh] MAX_RESTARTS without SAVE_DIR: a restarted run starts over from iteration 0"
+fi
+# LAUNCH_ARGS: extra ptm-launch options, shell-quoted, e.g. "--master_port 6000 --launcher_args '-F ~/.ssh/cluster'"
+mapfile -t LAUNCH < <(python -c 'import os, shlex; [print(a) for a in shlex.split(os.environ.get("LAUNCH_ARGS", ""))]')
 if [ -n "${HOSTFILE:-}" ]; then
-  # LAUNCH_ARGS: extra ptm-launch options, shell-quoted, e.g. "--master_port 6000 --launcher_args '-F ~/.ssh/cluster'"
-  mapfile -t LAUNCH < <(python -c 'import os, shlex; [print(a) for a in shlex.split(os.environ.get("LAUNCH_ARGS", ""))]')
-  exec ptm-launch --hostfile "$HOSTFILE" "${LAUNCH[@]}" pretrain_gpt.py "${ARGS[@]}"
+  exec ptm-launch --hostfile "$HOSTFILE" "${RESTARTS[@]}" "${LAUNCH[@]}" pretrain_gpt.py "${ARGS[@]}"
+fi
+if [ "${#RESTARTS[@]}" != 0 ]; then
+  # On this machine too: ptm-launch logs each restart and exits with the failing rank's code.
+  exec ptm-launch --num_gpus "$NPROC" "${RESTARTS[@]}" "${LAUNCH[@]}" pretrain_gpt.py "${ARGS[@]}"
 fi
 exec torchrun --standalone --nproc-per-node "$NPROC" pretrain_gpt.py "${ARGS[@]}"

@@ -33,16 +33,35 @@ class Rendezvous:
     nnodes: int
     master_addr: str | None  # None: torchrun --standalone picks a free local port
     master_port: int | None
+    elastic: bool = False  # c10d rendezvous: torchrun's agents can restart every rank together
 
 
-def torchrun_argv(cfg: LaunchConfig, python: str, rdzv: Rendezvous, node_rank: int, nproc: int) -> list[str]:
+# torch 2.13's agents share their rendezvous store with the workers and keep it across restarts, so restarted
+# workers read the previous attempt's addresses and hang or fail to connect; a store per attempt avoids it.
+ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+# The agents' INFO lines carry the events the launcher reports (a worker failed, restart, new round, ranks);
+# it keeps them out of the output (node_output.py).
+AGENT_LOG_ENV = {"LOGLEVEL": "INFO"}
+
+
+def torchrun_argv(cfg: LaunchConfig, python: str, rdzv: Rendezvous, node_rank: int, nproc: int,
+                  local_addr: str | None = None, max_restarts: int | None = None) -> list[str]:
+    """One node's torchrun. Elastic: c10d rendezvous, node 0 hosts its store, ``local_addr`` is how the others
+    reach this node (and orders the nodes: the rendezvous ranks them by it)."""
     argv = [python, "-u", "-m", "torch.distributed.run", "--nnodes", str(rdzv.nnodes),
             "--nproc-per-node", str(nproc)]
     if rdzv.master_addr is None:
         argv.append("--standalone")
+    elif rdzv.elastic:
+        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{rdzv.master_addr}:{rdzv.master_port}",
+                 "--rdzv-id", cfg.rdzv_id]
+        if local_addr is not None:
+            argv += ["--rdzv-conf", f"is_host={int(node_rank == 0)}", "--local-addr", local_addr]
     else:
         argv += ["--node-rank", str(node_rank), "--master-addr", rdzv.master_addr,
                  "--master-port", str(rdzv.master_port)]
+    if rdzv.elastic:
+        argv += ["--max-restarts", str(cfg.max_restarts if max_restarts is None else max_restarts)]
     if cfg.module:
         argv.append("--module")
     if cfg.no_python:
@@ -82,26 +101,44 @@ def visible_devices(slots: list[int], total: int) -> dict[str, str]:
     return {} if slots == list(range(total)) else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slots))}
 
 
+def torchrun_env(cfg: LaunchConfig, environ: dict[str, str]) -> dict[str, str]:
+    """Variables every node's torchrun gets from the launcher (the user's own LOGLEVEL wins)."""
+    env = {} if "LOGLEVEL" in environ else dict(AGENT_LOG_ENV)
+    return {**env, **(ELASTIC_ENV if cfg.max_restarts > 0 else {})}
+
+
+def elastic_order(cfg: LaunchConfig, hosts: list[str]) -> list[str]:
+    """Node order of the job. The c10d rendezvous ranks nodes by their address (``--local-addr``, the host's
+    name here), so with restarts the nodes are laid out in that order, the first one hosting the store."""
+    return sorted(hosts) if cfg.max_restarts > 0 else hosts
+
+
 def plan_local(cfg: LaunchConfig, python: str, host: str, slots: list[int], total: int,
-               file_env: dict[str, str]) -> list[NodeSpec]:
+               file_env: dict[str, str], environ: dict[str, str], max_restarts: int | None = None) -> list[NodeSpec]:
     """One node on this machine: torchrun under the agent, no ssh."""
     explicit = cfg.master_port is not None or cfg.master_addr is not None
-    rdzv = Rendezvous(1, cfg.master_addr or "127.0.0.1", cfg.master_port or DEFAULT_MASTER_PORT) if explicit \
-        else Rendezvous(1, None, None)
-    command = torchrun_argv(cfg, python, rdzv, 0, len(slots))
+    elastic = cfg.max_restarts > 0
+    rdzv = Rendezvous(1, cfg.master_addr or "127.0.0.1", cfg.master_port or DEFAULT_MASTER_PORT, elastic) \
+        if explicit else Rendezvous(1, None, None, elastic)
+    command = torchrun_argv(cfg, python, rdzv, 0, len(slots), max_restarts=max_restarts)
     argv = agent_argv(python, command, watch_stdin=True, grace=cfg.stop_timeout / 2, label=host)
-    return [NodeSpec(host, 0, tuple(slots), tuple(argv), {**file_env, **visible_devices(slots, total)})]
+    env = {**file_env, **visible_devices(slots, total), **torchrun_env(cfg, environ)}
+    return [NodeSpec(host, 0, tuple(slots), tuple(argv), env)]
 
 
 def plan_remote(cfg: LaunchConfig, python: str, cwd: str, selection: dict[str, list[int]],
-                pool: dict[str, int], exports: dict[str, str], environ: dict[str, str]) -> list[NodeSpec]:
-    """One ssh/pdsh process per selected host; node ranks (and so global ranks) in hostfile order."""
-    hosts = list(selection)
-    rdzv = Rendezvous(len(hosts), cfg.master_addr or hosts[0], cfg.master_port or DEFAULT_MASTER_PORT)
+                pool: dict[str, int], exports: dict[str, str], environ: dict[str, str],
+                max_restarts: int | None = None) -> list[NodeSpec]:
+    """One ssh/pdsh process per selected host; node ranks (and so global ranks) in hostfile order (in host-name
+    order with restarts, see ``elastic_order``)."""
+    hosts = elastic_order(cfg, list(selection))
+    rdzv = Rendezvous(len(hosts), cfg.master_addr or hosts[0], cfg.master_port or DEFAULT_MASTER_PORT,
+                      cfg.max_restarts > 0)
+    exports = {**exports, **torchrun_env(cfg, environ)}
     nodes = []
     for node_rank, host in enumerate(hosts):
         slots = selection[host]
-        command = torchrun_argv(cfg, python, rdzv, node_rank, len(slots))
+        command = torchrun_argv(cfg, python, rdzv, node_rank, len(slots), local_addr=host, max_restarts=max_restarts)
         ssh = cfg.launcher == "ssh"  # pdsh does not pass our stdin on, so the agent cannot watch it
         argv = agent_argv(python, command, watch_stdin=ssh, grace=cfg.stop_timeout / 2, label=host)
         shell = remote_shell_command(cwd, {**exports, **visible_devices(slots, pool[host])}, argv)
@@ -111,4 +148,27 @@ def plan_remote(cfg: LaunchConfig, python: str, cwd: str, selection: dict[str, l
         else:
             nodes.append(NodeSpec(host, node_rank, tuple(slots), tuple(pdsh_argv(cfg, host, shell)),
                                   env=pdsh_env(cfg, environ), stdin_reaches_agent=False))
+    return nodes
+
+
+def srun_argv(cfg: LaunchConfig, host: str, command: list[str]) -> list[str]:
+    """One step of one task on ``host`` of the allocation; srun passes our environment and directory on."""
+    return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}", f"--job-name=ptm-node-{host}",
+            "--kill-on-bad-exit=1", *cfg.launcher_args, *command]
+
+
+def plan_slurm(cfg: LaunchConfig, python: str, selection: dict[str, list[int]], pool: dict[str, int],
+               file_env: dict[str, str], environ: dict[str, str], max_restarts: int | None = None) -> list[NodeSpec]:
+    """Inside an allocation: one srun step per selected node, each running the agent and that node's torchrun."""
+    hosts = elastic_order(cfg, list(selection))
+    rdzv = Rendezvous(len(hosts), cfg.master_addr or hosts[0], cfg.master_port or DEFAULT_MASTER_PORT,
+                      cfg.max_restarts > 0)
+    env = {**file_env, **torchrun_env(cfg, environ)}
+    nodes = []
+    for node_rank, host in enumerate(hosts):
+        slots = selection[host]
+        command = torchrun_argv(cfg, python, rdzv, node_rank, len(slots), local_addr=host, max_restarts=max_restarts)
+        argv = agent_argv(python, command, watch_stdin=True, grace=cfg.stop_timeout / 2, label=host)
+        nodes.append(NodeSpec(host, node_rank, tuple(slots), tuple(srun_argv(cfg, host, argv)),
+                              env={**env, **visible_devices(slots, pool[host])}, output_prefix=f"{host}: "))
     return nodes

@@ -7,6 +7,7 @@ import shlex
 from dataclasses import dataclass
 
 DEFAULT_MASTER_PORT = 29500
+LAUNCHER_PACKAGES = {"ssh": "openssh-client", "pdsh": "pdsh", "slurm": "slurm-client"}
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,12 @@ class LaunchConfig:
     no_python: bool = False
     force_multi: bool = False
     stop_timeout: float = 30.0
+    max_restarts: int = 0
+    rdzv_id: str = ""  # the job's name in torchrun's c10d rendezvous (set by the runner when restarts are on)
+
+    @property
+    def launcher_command(self) -> str:
+        return "srun" if self.launcher == "slurm" else self.launcher
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,10 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--master_port", type=int, default=None,
                         help=f"TCP port of the rendezvous store on the first host (default {DEFAULT_MASTER_PORT}; "
                              f"a free port for a one-machine run)")
-    parser.add_argument("--launcher", choices=("ssh", "pdsh"), default="ssh",
-                        help="how to start torchrun on the other hosts")
+    parser.add_argument("--launcher", choices=("ssh", "pdsh", "slurm"), default="ssh",
+                        help="how to start torchrun on the hosts; slurm: inside an sbatch/salloc allocation, one "
+                             "srun step per node of SLURM_JOB_NODELIST (no hostfile)")
     parser.add_argument("--launcher_args", default="",
-                        help="extra arguments for ssh or pdsh, e.g. --launcher_args=\"-F ~/.ssh/cluster_config\" "
+                        help="extra arguments for ssh, pdsh or srun, e.g. --launcher_args=\"-F ~/.ssh/cluster_config\" "
                              "(a leading ~ of each argument is expanded)")
     parser.add_argument("--ssh_port", type=int, default=None, help="sshd port on the hosts")
     parser.add_argument("--module", action="store_true", help="the script is a python module name (python -m)")
@@ -62,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="use ssh/pdsh even when only one host is selected")
     parser.add_argument("--stop_timeout", type=float, default=30.0,
                         help="seconds the other nodes get to stop after a failure or Ctrl-C before they are killed")
+    parser.add_argument("--max_restarts", type=int, default=0,
+                        help="restart every rank up to N times when a rank or a node fails (torchrun's elastic agent "
+                             "and c10d rendezvous); the script resumes from its checkpoint (pretrain_gpt.py: --save "
+                             "DIR --load DIR)")
     parser.add_argument("user_script", help="training script (or module with --module)")
     parser.add_argument("user_args", nargs=argparse.REMAINDER, help="arguments of the training script")
     return parser
@@ -82,10 +94,15 @@ def config_from_args(argv: list[str] | None = None) -> LaunchConfig:
         parser.error("--module and --no_python cannot be combined")
     if args.stop_timeout <= 0:
         parser.error(f"--stop_timeout must be positive, got {args.stop_timeout}")
+    if args.max_restarts < 0:
+        parser.error(f"--max_restarts must be 0 or more, got {args.max_restarts}")
+    if args.launcher == "slurm" and args.hostfile:
+        parser.error("--launcher slurm takes the nodes from the allocation (SLURM_JOB_NODELIST); leave out --hostfile")
     return LaunchConfig(
         user_script=args.user_script, user_args=tuple(args.user_args), hostfile=args.hostfile,
         include=args.include, exclude=args.exclude, num_nodes=args.num_nodes, num_gpus=args.num_gpus,
         master_addr=args.master_addr, master_port=args.master_port, launcher=args.launcher,
         launcher_args=tuple(os.path.expanduser(arg) for arg in shlex.split(args.launcher_args)),
         ssh_port=args.ssh_port, module=args.module,
-        no_python=args.no_python, force_multi=args.force_multi, stop_timeout=args.stop_timeout)
+        no_python=args.no_python, force_multi=args.force_multi, stop_timeout=args.stop_timeout,
+        max_restarts=args.max_restarts)

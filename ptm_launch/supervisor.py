@@ -1,75 +1,79 @@
-"""Runs one process per node (ssh/pdsh client or local agent), streams their output, and ends the job.
+"""Runs one process per node (ssh/pdsh/srun client or local agent), streams their output, and ends the job.
 
-The job ends when every node exits 0, when one node fails (the others are stopped and the failing
-node's last output lines are reported), or on Ctrl-C / SIGTERM (every node is stopped).
+The job ends when every node exits 0, when it fails (the other nodes are stopped, the cause is reported once
+and its exit code is the launcher's), or on Ctrl-C / SIGTERM (every node is stopped). With restarts, a node
+whose torchrun died (killed, or its host unreachable) is started again and rejoins the rendezvous; the node
+hosting the rendezvous store takes every node with it, so then all are started again.
 """
 from __future__ import annotations
 
 import os
-import re
+import queue
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import TextIO
+from typing import Callable, TextIO
 
 import psutil
 
 from ptm_launch.commands import NodeSpec
+from ptm_launch.node_output import CauseLine, NodeOutput, RestartRequested, RoundComplete, WorkerFailed
+from ptm_launch.restarts import Failure, Restarts, cause_of
 
 _POLL_S = 0.1
 _KILL_WAIT_S = 5.0
-_MAX_ERROR_LINES = 10
-# Exception lines of a worker ("[rank3]: RuntimeError: ..."); torchrun's own summary error is noise.
-_ERROR_RE = re.compile(r"^(?:\[rank\d+\]:\s*)?[A-Za-z_][\w.]*(?:Error|Exception): ")
-_NOISE_RE = re.compile(r"ChildFailedError")
+EXIT_BAD_INPUT = 2  # a rank's verdict on its input (megatron/training/errors.py, argparse): a restart repeats it
 
 
-@dataclass(frozen=True)
-class NodeFailure:
-    host: str
-    node_rank: int
-    returncode: int
-    tail: tuple[str, ...]
-    errors: tuple[str, ...]  # the first exception lines the node printed (the root cause is usually there)
-
-    def describe(self) -> str:
-        code = f"exit code {self.returncode}"
-        if self.returncode == 255:
-            code += " (ssh's code for a lost connection: the host died, rebooted or became unreachable)"
-        elif self.returncode < 0:
-            code = f"killed by {signal.Signals(-self.returncode).name}"
-        return f"node {self.node_rank} ({self.host}) failed: {code}"
+def relaunchable(code: int) -> bool:
+    """The node's torchrun died (the agent reports 128 + signal) or ssh lost the host (255): torchrun could
+    not decide anything, so starting it again is the launcher's job. Any other code is torchrun's verdict."""
+    return code == 255 or code > 128
 
 
 class _Node:
-    def __init__(self, spec: NodeSpec, tail_lines: int, out: TextIO, out_lock: threading.Lock):
+    def __init__(self, spec: NodeSpec, tail_lines: int, out: TextIO, out_lock: threading.Lock,
+                 events: queue.Queue):
         self.spec = spec
         env = {**os.environ, **spec.env}
         # Own session: a terminal's Ctrl-C reaches only the launcher, which then stops nodes in order.
         self.proc = subprocess.Popen(spec.argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         self.tail: deque[str] = deque(maxlen=tail_lines)
-        self.errors: list[str] = []
-        self._out, self._out_lock = out, out_lock
+        self.output = NodeOutput()
+        self.stopping = False  # the launcher asked it to stop: its exit code says nothing
+        self.global_ranks: tuple[int, ...] = ()
+        self.cause_lines: list[CauseLine] = []
+        self._out, self._out_lock, self._events = out, out_lock, events
         self.reader = threading.Thread(target=self._pump, daemon=True)
         self.reader.start()
+
+    def _show(self, lines: list[str]) -> None:
+        if not lines:
+            return
+        self.tail.extend(lines)
+        with self._out_lock:
+            try:
+                for line in lines:
+                    self._out.write(f"{self.spec.output_prefix}{line}\n")
+                self._out.flush()
+            except (OSError, ValueError):  # our own stdout is gone; keep draining so the node never blocks
+                pass
 
     def _pump(self) -> None:
         for raw in iter(self.proc.stdout.readline, b""):
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-            self.tail.append(line)
-            if len(self.errors) < _MAX_ERROR_LINES and _ERROR_RE.match(line) and not _NOISE_RE.search(line):
-                self.errors.append(line)
-            with self._out_lock:
-                try:
-                    self._out.write(f"{self.spec.output_prefix}{line}\n")
-                    self._out.flush()
-                except (OSError, ValueError):  # our own stdout is gone; keep draining so the node never blocks
-                    pass
+            self._show(self.output.feed(line))
+            self._forward_events()
+        self._show(self.output.flush())
+        self._forward_events()
+
+    def _forward_events(self) -> None:
+        while self.output.events:
+            self._events.put((self, self.output.events.pop(0)))
 
     def close_stdin(self) -> None:
         try:
@@ -90,21 +94,37 @@ class _Node:
             except psutil.NoSuchProcess:
                 pass
 
-    def failure(self) -> NodeFailure:
+    def finish_reading(self) -> None:
         self.reader.join(timeout=_KILL_WAIT_S)
-        return NodeFailure(self.spec.host, self.spec.node_rank, self.proc.returncode, tuple(self.tail),
-                           tuple(self.errors))
+
+    def global_rank(self, local_rank: int) -> int | None:
+        return self.global_ranks[local_rank] if local_rank < len(self.global_ranks) else None
+
+    def describe_ranks(self) -> str:
+        ranks = self.global_ranks
+        return f", ranks {ranks[0]}-{ranks[-1]}" if ranks else ""
 
 
 class Supervisor:
-    """Ctrl-C/SIGTERM handlers call ``request_stop``; the work happens in ``run``'s polling loop."""
+    """Ctrl-C/SIGTERM handlers call ``request_stop``; the work happens in ``run``'s polling loop.
+
+    ``respawn(max_restarts)`` plans the nodes again (the torchrun of a node started again gets the restarts that
+    are left); without it, or without restarts, a node's failure fails the job.
+    """
 
     def __init__(self, specs: list[NodeSpec], stop_timeout: float, out: TextIO = sys.stdout,
-                 err: TextIO = sys.stderr, tail_lines: int = 30):
+                 err: TextIO = sys.stderr, tail_lines: int = 20, restarts: Restarts | None = None,
+                 respawn: Callable[[int], list[NodeSpec]] | None = None):
         self.specs, self.stop_timeout, self.out, self.err, self.tail_lines = specs, stop_timeout, out, err, tail_lines
+        self.restarts = restarts or Restarts(0)
+        self.respawn = respawn
         self.nodes: list[_Node] = []
+        self.failures: list[Failure] = []
+        self._events: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
         self._stop_signal: int | None = None
         self._force = False  # a second signal: kill at once
+        self._bad_input: _Node | None = None  # a rank refused its input: the job ends instead of restarting
 
     def request_stop(self, signum: int) -> None:
         """Signal-handler safe: only sets flags."""
@@ -116,58 +136,173 @@ class Supervisor:
     def _say(self, message: str) -> None:
         print(f"ptm-launch: {message}", file=self.err, flush=True)
 
+    def _start(self, spec: NodeSpec) -> _Node:
+        return _Node(spec, self.tail_lines, self.out, self._lock, self._events)
+
     def run(self) -> int:
         """Start every node and return the job's exit status."""
-        lock = threading.Lock()
         for spec in self.specs:
             try:
-                self.nodes.append(_Node(spec, self.tail_lines, self.out, lock))
+                self.nodes.append(self._start(spec))
             except OSError as exc:
                 self._say(f"cannot start node {spec.node_rank} ({spec.host}): {exc}")
                 self._stop_all()
                 return 1
-        failure = self._wait()
-        if failure is None and self._stop_signal is not None:
+        failed = self._wait()
+        if self._stop_signal is not None and failed is None:
             self._say(f"{signal.Signals(self._stop_signal).name} received; stopping all {len(self.nodes)} node(s)")
             self._stop_all()
             return 128 + self._stop_signal
-        if failure is None:
+        if failed is None:
             for node in self.nodes:
-                node.reader.join(timeout=_KILL_WAIT_S)
+                node.finish_reading()
+            self._handle_events()
             return 0
-        self._say(f"{failure.describe()}; stopping the other node(s)")
+        if len(self.nodes) > 1:
+            self._say(f"node {failed.spec.node_rank} ({failed.spec.host}) failed; stopping the other node(s)")
         self._stop_all()
-        self._report(failure)
-        if failure.returncode < 0:
-            return 128 - failure.returncode
-        return failure.returncode if failure.returncode < 256 else 1
+        return self._report(failed)
 
-    def _report(self, failure: NodeFailure) -> None:
-        name = f"node {failure.node_rank} ({failure.host})"
-        self._say(f"job failed. Last {len(failure.tail)} output lines of {name}:")
-        for line in failure.tail:
-            print(f"    {line}", file=self.err)
-        if failure.errors:
-            self._say(f"errors printed by {name}:")
-            for line in failure.errors:
-                print(f"    {line}", file=self.err)
-        self._say(failure.describe())
-
-    def _wait(self) -> NodeFailure | None:
-        """Until all nodes exit 0 (None), one fails (its failure), or a stop is requested (None)."""
+    # ---- the polling loop -------------------------------------------------------------------------------
+    def _wait(self) -> _Node | None:
+        """Until every node exits 0 (None), one fails for good (that node), or a stop is requested (None)."""
         while self._stop_signal is None:
-            codes = [node.proc.poll() for node in self.nodes]
-            for node, code in zip(self.nodes, codes):
-                if code not in (None, 0):
-                    return node.failure()
-            if all(code == 0 for code in codes):
+            self._handle_events()
+            if self._bad_input is not None:
+                return self._bad_input
+            for line in self.restarts.messages(time.monotonic()):
+                self._say(line)
+            done = True
+            for node in list(self.nodes):
+                code = node.proc.poll()
+                if code is None:
+                    done = False
+                elif code != 0 and not node.stopping:
+                    node.finish_reading()
+                    self._handle_events()
+                    if not self._relaunch(node, code):
+                        return node
+                    done = False
+                    break
+            if done:
                 return None
             time.sleep(_POLL_S)
         return None
 
+    def _handle_events(self) -> None:
+        while True:
+            try:
+                node, event = self._events.get_nowait()
+            except queue.Empty:
+                return
+            if node not in self.nodes:
+                continue  # a node started again since
+            if isinstance(event, CauseLine):
+                node.cause_lines.append(event)
+            elif isinstance(event, WorkerFailed):
+                failure = Failure(node.spec.node_rank, node.spec.host, event.time, event.exitcode, event.local_rank,
+                                  node.global_rank(event.local_rank), self._cause_line(node, event))
+                self.failures.append(failure)
+                self.restarts.add(failure)
+                if event.exitcode == EXIT_BAD_INPUT and self.restarts.budget and self._bad_input is None:
+                    self._bad_input = node
+                    self.restarts.cancel()
+            elif isinstance(event, RestartRequested):
+                if self._bad_input is not None:
+                    continue
+                if self.restarts.begin(event.time):
+                    for failure in self._round_failures():
+                        if failure not in self.restarts.pending.failures:
+                            self.restarts.add(failure)
+            elif isinstance(event, RoundComplete):
+                node.global_ranks = event.global_ranks
+                for line in self.restarts.rejoined(node.spec.node_rank, len(self.nodes), event.time):
+                    self._say(line)
+
+    def _cause_line(self, node: _Node, event: WorkerFailed) -> str | None:
+        """What the failed rank's node printed as the error in this round (that rank's own line if marked)."""
+        if event.exitcode < 0:  # killed: it printed nothing about it
+            return None
+        lines = [c for c in node.cause_lines if c.time >= self.restarts.round_start]
+        rank = node.global_rank(event.local_rank)
+        own = [c for c in lines if c.rank is not None and c.rank == rank]
+        chosen = own or [c for c in lines if c.rank is None] or lines
+        return chosen[0].text if chosen else None
+
+    def _round_failures(self) -> list[Failure]:
+        return [f for f in self.failures if f.time >= self.restarts.round_start]
+
+    # ---- starting a node again ----------------------------------------------------------------------------
+    def _relaunch(self, node: _Node, code: int) -> bool:
+        """Start a node whose torchrun died again (every node when it hosted the rendezvous store)."""
+        if not relaunchable(code):
+            return False
+        now = time.monotonic()
+        failure = Failure(node.spec.node_rank, node.spec.host, now, code)
+        self.failures.append(failure)
+        if self.respawn is None or not self.restarts.begin_node(node.spec.node_rank, now):
+            return False
+        self.restarts.add(failure)
+        try:
+            specs = {spec.node_rank: spec for spec in self.respawn(self.restarts.left)}
+        except (OSError, ValueError) as exc:  # e.g. the hostfile is gone or was edited into an error
+            self._say(f"{failure.describe()}; cannot plan its start again: {exc}")
+            return False
+        store_host = node.spec.node_rank == 0
+        if store_host and len(self.nodes) > 1:
+            self._say(f"{failure.describe()}; it hosted the rendezvous, so every node starts again")
+            others = [n for n in self.nodes if n is not node]
+            self._stop_nodes(others)
+            again = self.nodes
+        else:
+            self._say(f"{failure.describe()}; starting its torchrun again")
+            again = [node]
+        for old in again:
+            old.finish_reading()
+            try:
+                self.nodes[self.nodes.index(old)] = self._start(specs[old.spec.node_rank])
+            except OSError as exc:
+                self._say(f"cannot start node {old.spec.node_rank} ({old.spec.host}) again: {exc}")
+                return False
+        return True
+
+    # ---- the end of a failed job ---------------------------------------------------------------------------
+    def _report(self, failed: _Node) -> int:
+        """Name the cause once (its own line was shown as it happened) and return its exit status."""
+        self._handle_events()
+        cause = cause_of(self._round_failures())
+        if cause is None:  # torchrun failed before any rank did (e.g. the rendezvous)
+            cause = Failure(failed.spec.node_rank, failed.spec.host, time.monotonic(), failed.proc.returncode)
+        secondary = sum(1 for n in self.nodes for t, _ in n.output.secondary if t >= self.restarts.round_start)
+        node = next((n for n in self.nodes if n.spec.node_rank == cause.node_rank), None)
+        details = []
+        if cause.cause_line is None and node is not None and node.tail:
+            self._say(f"last {len(node.tail)} output lines of node {cause.node_rank} ({cause.host}):")
+            for line in node.tail:
+                print(f"    {line}", file=self.err)
+        elif cause.cause_line is not None:
+            details.append("its error is above")
+        if secondary:
+            details.append(f"{secondary} other rank(s) stopped because of it")
+        if self._bad_input is not None:
+            details.append(f"exit code {EXIT_BAD_INPUT} is bad input: not restarted, it would fail the same way")
+        elif self.restarts.budget:
+            details.append(f"{self.restarts.used} of {self.restarts.budget} restart(s) used")
+        self._say(f"job failed: {cause.describe()}" + (f" ({'; '.join(details)})" if details else ""))
+        return cause.exit_status()
+
+    # ---- stopping -------------------------------------------------------------------------------------------
     def _stop_all(self) -> None:
-        """Ask every node to stop (stdin EOF; a signal where stdin does not reach the node), then kill."""
-        running = [node for node in self.nodes if node.proc.poll() is None]
+        self._stop_nodes(self.nodes)
+        for node in self.nodes:
+            node.proc.wait()
+            node.finish_reading()
+
+    def _stop_nodes(self, nodes: list[_Node]) -> None:
+        """Ask nodes to stop (stdin EOF; a signal where stdin does not reach the node), then kill."""
+        running = [node for node in nodes if node.proc.poll() is None]
+        for node in nodes:
+            node.stopping = True
         for node in running:
             node.close_stdin()
             if not node.spec.stdin_reaches_agent:
@@ -182,9 +317,8 @@ class Supervisor:
             for node in running:
                 node.signal_tree(signum)
             self._wait_exit(running, _KILL_WAIT_S)
-        for node in self.nodes:
+        for node in nodes:
             node.proc.wait()
-            node.reader.join(timeout=_KILL_WAIT_S)
 
     def _wait_exit(self, nodes: list[_Node], timeout: float) -> None:
         deadline = time.monotonic() + timeout

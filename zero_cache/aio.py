@@ -55,6 +55,28 @@ def disk_free(path: str) -> int:
     return shutil.disk_usage(path).free
 
 
+def nearest_existing_dir(path: str) -> str:
+    """``path`` or its closest existing ancestor (a swap directory is created later, below it)."""
+    path = os.path.abspath(path)
+    while not os.path.isdir(path) and path != os.path.dirname(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def check_writable(nvme_path: str) -> None:
+    """Refuse an nvme_path that cannot take page files before its free space is measured: a read-only
+    filesystem would otherwise read as one with too little space."""
+    where = nearest_existing_dir(nvme_path)
+    fix = ("point offload_optimizer/offload_param.nvme_path at a writable directory on a local SSD, or remount "
+           "its filesystem read-write")
+    if os.statvfs(where).f_flag & os.ST_RDONLY:
+        raise SSDTierError(f"SSD tier: nvme_path '{nvme_path}' is on a read-only filesystem ('{where}' is mounted "
+                           f"read-only); {fix}")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise SSDTierError(f"SSD tier: nvme_path '{nvme_path}' is not writable (no write permission on "
+                           f"'{where}'); {fix}")
+
+
 class AlignedBuffer:
     """Page-aligned host memory (anonymous mmap) viewed as a uint8 tensor of ``capacity`` bytes."""
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import psutil
 import torch
 
-from .aio import round_up
+from .aio import check_writable, nearest_existing_dir, round_up
 from .config import ZeroCacheConfig, ZeroConfigError
 from .partition import ChunkPlan
 from .store import DEVICE, HOST, NVME, TIERS
@@ -91,13 +91,15 @@ def machine_budgets(cfg: ZeroCacheConfig, device: torch.device) -> dict[str, int
     else:
         out[DEVICE] = int(0.45 * available)
     out[HOST] = b.host if b.host >= 0 else int((0.9 if accel else 0.45) * available)
+    z = cfg.zero_optimization
+    ssd_path = next((o.nvme_path for o in (z.offload_optimizer, z.offload_param) if o.device == "nvme"), None)
+    if ssd_path:  # an empty one is reported when the SSD tier opens it
+        check_writable(ssd_path)
     if b.nvme >= 0:
         out[NVME] = b.nvme
     else:
-        path = cfg.zero_optimization.offload_optimizer.nvme_path
-        while path and not os.path.isdir(path):  # the swap directory is created later; use its nearest parent
-            path = os.path.dirname(path.rstrip("/")) if path not in ("/", "") else ""
-        out[NVME] = int(0.95 * psutil.disk_usage(path or "/").free) // local_ranks
+        path = ssd_path or z.offload_optimizer.nvme_path
+        out[NVME] = int(0.95 * psutil.disk_usage(nearest_existing_dir(path) if path else "/").free) // local_ranks
     return out
 
 

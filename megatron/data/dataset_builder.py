@@ -7,6 +7,7 @@ import torch
 
 from megatron.data.blendable_dataset import BlendableDataset, samples_per_dataset
 from megatron.data.config import Blend, DataConfig
+from megatron.data.errors import DataError
 from megatron.data.gpt_dataset import GPTDataset, cache_dirs
 from megatron.data.index_builders import split_boundaries
 from megatron.data.indexed_dataset import MMapIndexedDataset
@@ -24,8 +25,18 @@ class _Builder:
         self._indexed: dict[str, MMapIndexedDataset] = {}
 
     def indexed(self, prefix: str) -> MMapIndexedDataset:
+        """The dataset at ``prefix``; one without documents, or with fewer tokens than one sample, is refused."""
         if prefix not in self._indexed:
-            self._indexed[prefix] = MMapIndexedDataset(prefix)
+            ds = MMapIndexedDataset(prefix)
+            if ds.num_documents == 0:
+                raise DataError(f"{prefix}.bin/.idx holds no documents (was the input of tools/preprocess_data.py "
+                                f"empty?); preprocess a non-empty corpus or remove this prefix from the data flags")
+            tokens = int(ds.sizes.sum(dtype="int64"))
+            if tokens < self.seq_length + 1:
+                raise DataError(f"{prefix}.bin/.idx holds {tokens} tokens, fewer than one sample of "
+                                f"{self.seq_length + 1} (--seq-length {self.seq_length} + 1); give it more data "
+                                f"or use a smaller --seq-length")
+            self._indexed[prefix] = ds
         return self._indexed[prefix]
 
     def gpt(self, split: str, prefix: str, documents: range, num_samples: int) -> GPTDataset:
@@ -37,7 +48,13 @@ class _Builder:
         """One dataset (GPT or blend) for ``split`` over ``documents_of[prefix]`` of each prefix."""
         prefixes = [p for _, p in blend]
         non_empty = [p for p in prefixes if len(documents_of[p]) > 0]
-        if not non_empty or num_samples == 0:
+        if num_samples == 0:
+            return None
+        if not non_empty:
+            if split == "train":  # the trainer cannot start without training samples
+                raise DataError(f"the train split of {', '.join(prefixes)} has no documents "
+                                f"({', '.join(str(len(self.indexed(p))) for p in prefixes)} in all, --split "
+                                f"{self.cfg.split}); give the train split a larger share in --split or use more data")
             return None
         if len(non_empty) != len(prefixes):
             empty = sorted(set(prefixes) - set(non_empty))
@@ -70,6 +87,15 @@ def build_train_valid_test_datasets(cfg: DataConfig, tokenizer, seq_length: int,
         eod = getattr(tokenizer, "eod", None)
         return tuple(MockGPTDataset(split, n, seq_length, vocab, seed, eod) if n > 0 else None
                      for split, n in zip(SPLITS, num_samples))
+    try:
+        return _build_real(cfg, seq_length, num_samples, seed)
+    except DataError:
+        raise
+    except (ValueError, FileNotFoundError) as e:  # unreadable or inconsistent files, bad --split or blend
+        raise DataError(str(e)) from None
+
+
+def _build_real(cfg: DataConfig, seq_length: int, num_samples: tuple[int, int, int], seed: int):
     builder = _Builder(cfg, seq_length, seed)
     if cfg.data_path is not None:
         documents_of: list[dict[str, range]] = [{}, {}, {}]

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.data.errors import OtherRankDataError
 from megatron.data.utils import global_rank, log_rank0
 
 BUILT_OK, BUILD_FAILED = 1, 2  # rank 0's outcome; the other ranks contribute 0 to the sum
@@ -97,7 +98,7 @@ def load_or_build(description: str, stem_prefix: str, names: tuple[str, ...], ca
                 raise
     status, choice = _rank0_outcome(status, choice, timeout_minutes)
     if status != BUILT_OK:
-        raise RuntimeError(f"rank {rank}: rank 0 failed to build the data index cache (see its error)")
+        raise OtherRankDataError(f"rank {rank}: rank 0 failed to build the data index cache (see its error)")
     paths = _paths(cache_dirs[choice], stem, names)
     if not _complete(paths):
         raise FileNotFoundError(f"rank {rank}: index cache {paths['dsc']} written by rank 0 is not visible here; "

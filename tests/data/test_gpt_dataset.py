@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from megatron.data import DataConfig, build_train_valid_test_datasets
+from megatron.data.errors import DataError
 from megatron.data.gpt_dataset import GPTDataset
 from megatron.data.index_builders import (
     build_doc_idx,
@@ -239,7 +240,7 @@ def test_indices_built_on_rank0_and_shared(tmp_path):
     local = gpt(tmp_path / "d", 60, 8, seed=2, cache=cache)
     assert not local.built_indices and local.shuffle_idx.tolist() == shared0[1]
     assert error0[0] in ("FileExistsError", "NotADirectoryError")
-    assert error1[0] == "RuntimeError" and "rank 0 failed" in error1[1]
+    assert error1[0] == "OtherRankDataError" and "rank 0 failed" in error1[1]  # errors.py: not this rank's cause
 
 
 def test_empty_split_is_a_clear_error(tmp_path):
@@ -251,6 +252,34 @@ def test_empty_split_is_a_clear_error(tmp_path):
         gpt(tmp_path / "d", 10, 4, seed=0, documents=range(0, 2))
     assert len(gpt(tmp_path / "d", 2, 1, seed=0)) == 2
 
+
+
+def test_unusable_datasets_are_refused_at_build_time_naming_prefix_and_fix(tmp_path):
+    """Without these checks the trainer gets no train dataset and fails later with a TypeError."""
+    empty = tmp_path / "empty"
+    make_dataset(empty, [])  # what tools/preprocess_data.py used to write for an empty JSONL
+    tiny = tmp_path / "tiny"
+    make_dataset(tiny, [5, 6])  # 11 tokens: less than one sample of 17
+    few = tmp_path / "few"
+    make_dataset(few, [40, 40])
+
+    def build(prefix, split="969,30,1", seq_length=16):
+        cfg = DataConfig(data_path=((1.0, str(prefix)),), split=split)
+        return build_train_valid_test_datasets(cfg, None, seq_length, (8, 0, 0), seed=1)
+
+    with pytest.raises(DataError, match=rf"^{empty}.bin/.idx holds no documents .*preprocess a non-empty corpus"):
+        build(empty)
+    with pytest.raises(DataError, match=rf"^{tiny}.bin/.idx holds 11 tokens, fewer than one sample of 17 "
+                                        r"\(--seq-length 16 \+ 1\); give it more data or use a smaller --seq-length"):
+        build(tiny)
+    assert len(build(tiny, seq_length=8)[0]) >= 8
+    with pytest.raises(DataError, match=rf"the train split of {few} has no documents \(2 in all, --split 0,1,0\); "
+                                        r"give the train split a larger share"):
+        build(few, split="0,1,0")
+    (tmp_path / "bad.idx").write_bytes(b"not an index")
+    (tmp_path / "bad.bin").write_bytes(b"")
+    with pytest.raises(DataError, match="bad magic"):  # an unreadable file is a data error too, not a traceback
+        build(tmp_path / "bad")
 
 
 def test_datasets_pickle_as_paths(tmp_path):

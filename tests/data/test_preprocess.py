@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -85,19 +86,29 @@ def test_byte_ranges_split_lines_exactly(tmp_path, bpe_files):
     assert titles == [tok.tokenize(d["title"]) + [tok.eod] for d in docs]
 
 
+def _fails_with(argv, capsys, pattern, code=2):
+    """cli.main(argv) stops with exit ``code`` and one stderr line matching ``pattern``."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == code, err
+    error_lines = [line for line in err.splitlines() if "error" in line.lower()]
+    assert len(error_lines) == 1 and "Traceback" not in err, err
+    assert re.search(r"^preprocess_data.py: error: " + pattern, error_lines[0]), err
+
+
 def test_malformed_input_names_file_and_line(tmp_path, bpe_files, capsys):
     lines = [json.dumps(d) for d in records(40, seed=2)]
     lines[24] = '{"text": "unterminated'
     lines[31] = json.dumps({"body": "no text key", "title": "t"})
     path = write_jsonl(tmp_path / "bad.jsonl", lines)
     args = gpt2_args(bpe_files, [path], tmp_path / "out/bad", "--workers", "2", "--partitions", "2")
-    with pytest.raises(SystemExit, match=r"bad.jsonl:25: invalid JSON .*--skip-bad-lines"):
-        cli.main(args)
+    _fails_with(args, capsys, r".*bad.jsonl:25: invalid JSON .*--skip-bad-lines")
     assert not os.path.exists(tmp_path / "out") or os.listdir(tmp_path / "out") == []  # nothing left behind
     lines[24] = json.dumps(records(1)[0])
     write_jsonl(path, lines)
-    with pytest.raises(SystemExit, match=r"bad.jsonl:32: key 'text' missing \(keys present: 'body', 'title'\)"):
-        cli.main(args)
+    _fails_with(args, capsys, r".*bad.jsonl:32: key 'text' missing \(keys present: 'body', 'title'\)")
     lines[5] = "[1, 2]"
     lines[9] = '{"text": "lone surrogate \\ud800", "title": "t"}'
     write_jsonl(path, lines)
@@ -107,10 +118,48 @@ def test_malformed_input_names_file_and_line(tmp_path, bpe_files, capsys):
     assert "bad.jsonl:10: cannot tokenize 'text'" in out
     ds, _ = read_back(tmp_path / "out/bad_title_document")
     assert ds.num_documents == 37
-    with pytest.raises(SystemExit, match="no such file"):
-        cli.main(gpt2_args(bpe_files, [str(tmp_path / "missing*.jsonl")], tmp_path / "x"))
-    with pytest.raises(SystemExit, match="--vocab-file"):
-        cli.main(["--input", path, "--tokenizer-type", "GPT2BPETokenizer", "--output-prefix", "x"])
+    _fails_with(gpt2_args(bpe_files, [str(tmp_path / "missing*.jsonl")], tmp_path / "x"), capsys, ".*no such file")
+    _fails_with(["--input", path, "--tokenizer-type", "GPT2BPETokenizer", "--output-prefix", "x"], capsys,
+                ".*--vocab-file")
+
+
+def test_empty_input_is_refused_and_writes_nothing(tmp_path, bpe_files, capsys):
+    """A 0-document dataset used to be written (exit 0) and then crashed the trainer."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n\n  \n")
+    for path in (empty, blank):
+        _fails_with(gpt2_args(bpe_files, [str(path)], tmp_path / "out/e", "--workers", "2", "--partitions", "2"),
+                    capsys, rf"--input {path}: no documents \(the input is empty or every line was blank or skipped\);"
+                            r" give JSONL with one \{\"text\": ...\} object per line$")
+        assert os.listdir(tmp_path / "out") == []
+    untitled = write_jsonl(tmp_path / "untitled.jsonl", [{"text": "some words", "title": ""}] * 3)
+    _fails_with(["--input", untitled, "--json-keys", "title", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+                 bpe_files[0], "--merge-file", bpe_files[1], "--output-prefix", str(tmp_path / "out/t")],
+                capsys, rf"--input {untitled}: 3 documents but no tokens under the key 'title'")
+    assert os.listdir(tmp_path / "out") == []
+
+
+def test_output_prefix_that_cannot_be_written_is_one_line(tmp_path, bpe_files, capsys):
+    path = write_jsonl(tmp_path / "in.jsonl", records(5))
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    _fails_with(gpt2_args(bpe_files, [path], blocker / "sub/out"), capsys,
+                rf"--output-prefix {blocker}/sub/out: cannot create {blocker}/sub \(Not a directory\); choose an "
+                r"--output-prefix in a writable directory$")
+    _fails_with(gpt2_args(bpe_files, [path], blocker / "out"), capsys,
+                rf"--output-prefix {blocker}/out: {blocker} exists and is not a directory;")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(ro)], check=True)
+    try:
+        _fails_with(gpt2_args(bpe_files, [path], ro / "sub/out"), capsys,
+                    rf"--output-prefix {ro}/sub/out: cannot create {ro}/sub \(Read-only file system\);")
+        _fails_with(gpt2_args(bpe_files, [path], ro / "out"), capsys,
+                    rf"--output-prefix {ro}/out: cannot write to {ro} \(it is on a read-only filesystem\);")
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
 
 
 def test_split_sentences_trains_punkt_on_the_input(tmp_path, capsys):

@@ -7,7 +7,10 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[2]
 STANDIN = "tests/launcher/standin_train.py"
@@ -35,6 +38,7 @@ class LiveLauncher:
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
         self.lines: list[str] = []
+        self.times: list[float] = []  # time.monotonic() when each line arrived
         self._seen = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -43,16 +47,36 @@ class LiveLauncher:
         for line in self.proc.stdout:
             with self._seen:
                 self.lines.append(line)
+                self.times.append(time.monotonic())
                 self._seen.notify_all()
         with self._seen:
             self._seen.notify_all()
 
-    def wait_for(self, text: str, timeout: float) -> None:
-        def seen() -> bool:
-            return any(text in line for line in self.lines)
+    def wait_for(self, text: str, timeout: float, after: int = 0) -> int:
+        """Index of the first line from ``after`` on that contains ``text`` (regex when it is a Pattern)."""
+        def found() -> int | None:
+            for i in range(after, len(self.lines)):
+                line = self.lines[i]
+                if (text.search(line) if isinstance(text, re.Pattern) else text in line):
+                    return i
+            return None
         with self._seen:
-            self._seen.wait_for(lambda: seen() or not self._reader.is_alive(), timeout=timeout)
-            assert seen(), f"{text!r} did not appear within {timeout}s; output:\n{self.output}"
+            self._seen.wait_for(lambda: found() is not None or not self._reader.is_alive(), timeout=timeout)
+            index = found()
+            assert index is not None, f"{text!r} did not appear within {timeout}s; output:\n{self.output}"
+            return index
+
+    def workers(self) -> dict[int, int]:
+        """{global rank: pid} of the training processes under this launcher (on this machine)."""
+        ranks = {}
+        for proc in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                rank = proc.environ().get("RANK")
+                if rank is not None and "torch.distributed.run" not in proc.cmdline():
+                    ranks[int(rank)] = proc.pid
+            except psutil.Error:
+                continue
+        return ranks
 
     def finish(self, timeout: float) -> int:
         """Wait for the launcher to exit; fail (and kill it) if it takes longer than ``timeout``."""
@@ -83,3 +107,23 @@ def standin_report(output: str) -> dict:
 
 def gpt_losses(output: str) -> list[float]:
     return [float(v) for v in _GPT_LOSS_RE.findall(output)]
+
+
+_GPT_ITERATION_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|")
+
+
+def gpt_losses_by_iteration(lines: list[str] | str) -> dict[int, str]:
+    """{iteration: lm loss as printed}; an iteration trained again after a restart keeps its last value."""
+    lines = lines.splitlines() if isinstance(lines, str) else lines
+    return {int(m[1]): m[2] for m in map(_GPT_ITERATION_RE.search, lines) if m}
+
+
+def tiny_gpt_args(iters: int = 12) -> list[str]:
+    """pretrain_gpt.py flags of the training tests' tiny GPT (mock data, DP over the ranks), logging every
+    iteration, with dropout on so that a resumed run must restore the RNG states too."""
+    from tests.training.parallel_harness import TINY_GPT
+
+    args = list(TINY_GPT)
+    for flag, value in (("--train-iters", str(iters)), ("--log-interval", "1"), ("--hidden-dropout", "0.1")):
+        args[args.index(flag) + 1] = value
+    return args

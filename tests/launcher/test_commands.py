@@ -13,7 +13,8 @@ import torch
 from ptm_launch.commands import AGENT_PATH, remote_shell_command
 from ptm_launch.config import config_from_args
 from ptm_launch.env import EnvFileError, env_file_values, forwarded_environ, parse_env_file
-from ptm_launch.runner import plan
+from ptm_launch.hostfile import HostfileError
+from ptm_launch.runner import plan, with_rdzv_id
 
 HOSTS = "node-a slots=2\nnode-b slots=2\n"
 ENVIRON = {"PYTHONPATH": "/src", "NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0",
@@ -25,8 +26,9 @@ EVIL = ["a b", "; touch pwned1", "$(touch pwned2)", "`touch pwned3`", "--x='y\"z
 def _plan(tmp_path: Path, *argv: str, hosts: str = HOSTS, environ: dict | None = None):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text(hosts)
-    cfg = config_from_args(["--hostfile", str(hostfile), *argv, "train.py", "--lr", "0.1"])
-    return plan(cfg, environ if environ is not None else ENVIRON, tmp_path, tmp_path / "home", "/opt/py/bin/python")
+    environ = environ if environ is not None else ENVIRON
+    cfg = with_rdzv_id(config_from_args(["--hostfile", str(hostfile), *argv, "train.py", "--lr", "0.1"]), environ)
+    return plan(cfg, environ, tmp_path, tmp_path / "home", "/opt/py/bin/python")
 
 
 def _remote(node) -> tuple[list[str], list[str]]:
@@ -74,7 +76,8 @@ def test_forwarded_environment_and_env_file(tmp_path):
     words = _remote(_plan(tmp_path)[1])[1]
     exports = dict(w.split("=", 1) for w in words[words.index("env") + 1:words.index("/opt/py/bin/python")])
     assert exports == {"PYTHONPATH": "/src", "NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0",
-                       "TORCH_DISTRIBUTED_DEBUG": "INFO", "NCCL_IB_DISABLE": "1", "MY_FLAG": "a b"}
+                       "TORCH_DISTRIBUTED_DEBUG": "INFO", "NCCL_IB_DISABLE": "1", "MY_FLAG": "a b",
+                       "LOGLEVEL": "INFO"}  # torchrun's agent log: the launcher reads its events
 
 
 def test_slot_subset_pins_devices_and_master_can_be_set(tmp_path):
@@ -107,7 +110,7 @@ def test_no_hostfile_runs_num_gpus_cpu_processes(tmp_path, monkeypatch):
     cfg = config_from_args(["--num_gpus", "3", "--master_port", "7000", "--module", "pkg.train", "--x", "1"])
     (node,) = plan(cfg, {}, tmp_path, tmp_path, sys.executable)
     argv = list(node.argv)
-    assert node.host == "localhost" and node.env == {}
+    assert node.host == "localhost" and node.env == {"LOGLEVEL": "INFO"}
     tail = argv[argv.index("torch.distributed.run") + 1:]
     assert tail == ["--nnodes", "1", "--nproc-per-node", "3", "--node-rank", "0", "--master-addr", "127.0.0.1",
                     "--master-port", "7000", "--module", "pkg.train", "--x", "1"]
@@ -156,3 +159,92 @@ def test_env_file_locations(tmp_path):
     assert env_file_values({"PTM_ENV_FILE": str(other)}, cwd, home) == {"C": "3"}
     with pytest.raises(EnvFileError, match="PTM_ENV_FILE=.* does not exist"):
         env_file_values({"PTM_ENV_FILE": str(tmp_path / "missing")}, cwd, home)
+
+
+def test_restarts_use_c10d_rendezvous_in_host_name_order(tmp_path):
+    hosts = "node-b slots=2\nnode-a slots=1\n"
+    nodes = _plan(tmp_path, "--max_restarts", "3", "--master_port", "6001", hosts=hosts, environ={})
+    # The rendezvous ranks nodes by address (--local-addr): the plan lays them out the same way, the first
+    # hosting the store.
+    assert [(n.host, n.node_rank, n.slots) for n in nodes] == [("node-a", 0, (0,)), ("node-b", 1, (0, 1))]
+    for node in nodes:
+        words = _remote(node)[1]
+        flags = _torchrun_flags(words)
+        assert flags == {"--nnodes": "2", "--nproc-per-node": str(len(node.slots)), "--rdzv-backend": "c10d",
+                         "--rdzv-endpoint": "node-a:6001", "--rdzv-id": flags["--rdzv-id"],
+                         "--rdzv-conf": f"is_host={int(node.node_rank == 0)}", "--local-addr": node.host,
+                         "--max-restarts": "3"}
+        assert "--node-rank" not in words
+        assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in words
+    ids = {_torchrun_flags(_remote(n)[1])["--rdzv-id"] for n in nodes}
+    assert len(ids) == 1 and ids.pop().startswith("ptm-")
+
+
+def test_nodes_started_again_get_the_restarts_that_are_left(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(HOSTS)
+    cfg = with_rdzv_id(config_from_args(["--hostfile", str(hostfile), "--max_restarts", "4", "t.py"]), {})
+    first = plan(cfg, {}, tmp_path, tmp_path, "/py")
+    again = plan(cfg, {}, tmp_path, tmp_path, "/py", max_restarts=1)
+    for before, after in zip(first, again):
+        flags_before, flags_after = _torchrun_flags_of(before), _torchrun_flags_of(after)
+        assert flags_before["--max-restarts"] == "4" and flags_after["--max-restarts"] == "1"
+        assert flags_before["--rdzv-id"] == flags_after["--rdzv-id"]  # the same rendezvous
+
+
+def _torchrun_flags_of(node) -> dict[str, str]:
+    words = shlex.split(node.argv[-1])
+    start = words.index("torch.distributed.run") + 1
+    flags = words[start:words.index("t.py")]
+    return {flags[i]: flags[i + 1] for i in range(0, len(flags), 2)}
+
+
+def test_one_local_node_with_restarts(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = with_rdzv_id(config_from_args(["--num_gpus", "2", "--max_restarts", "2", "t.py"]), {"LOGLEVEL": "WARNING"})
+    (node,) = plan(cfg, {"LOGLEVEL": "WARNING"}, tmp_path, tmp_path, sys.executable)
+    argv = list(node.argv)
+    assert argv[argv.index("torch.distributed.run") + 1:] == ["--nnodes", "1", "--nproc-per-node", "2",
+                                                               "--standalone", "--max-restarts", "2", "t.py"]
+    assert node.env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # the user's LOGLEVEL is left alone
+
+
+SLURM_ENV = {"SLURM_JOB_NODELIST": "gpu[02-03]", "SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "4",
+             "SLURM_JOB_ID": "4711", "SLURM_NTASKS_PER_NODE": "1"}
+
+
+def test_slurm_launcher_runs_one_srun_step_per_node(tmp_path):
+    cfg = with_rdzv_id(config_from_args(["--launcher", "slurm", "--max_restarts", "2",
+                                         "--launcher_args=--cpus-per-task=32", "train.py", "--lr", "0.1"]), SLURM_ENV)
+    nodes = plan(cfg, SLURM_ENV, tmp_path, tmp_path, "/opt/py/bin/python")
+    assert [(n.host, n.node_rank, n.slots) for n in nodes] == [("gpu02", 0, (0, 1, 2, 3)), ("gpu03", 1, (0, 1, 2, 3))]
+    for node in nodes:
+        argv = list(node.argv)
+        agent = argv.index(AGENT_PATH)
+        assert argv[:agent - 2] == ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node.host}",
+                                    f"--job-name=ptm-node-{node.host}", "--kill-on-bad-exit=1", "--cpus-per-task=32"]
+        flags = _torchrun_flags(argv)
+        assert flags == {"--nnodes": "2", "--nproc-per-node": "4", "--rdzv-backend": "c10d",
+                         "--rdzv-endpoint": "gpu02:29500", "--rdzv-id": "slurm-4711",
+                         "--rdzv-conf": f"is_host={int(node.node_rank == 0)}",
+                         "--local-addr": node.host, "--max-restarts": "2"}
+        assert argv[-3:] == ["train.py", "--lr", "0.1"]
+        assert node.env == {"LOGLEVEL": "INFO", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        assert node.output_prefix == f"{node.host}: "
+
+
+def test_slurm_launcher_without_restarts_uses_static_ranks(tmp_path):
+    env = {**SLURM_ENV, "SLURM_GPUS_ON_NODE": "0", "SLURM_GPUS_PER_NODE": "", "SLURM_NTASKS_PER_NODE": "3"}
+    cfg = config_from_args(["--launcher", "slurm", "--exclude", "gpu02", "train.py"])
+    (node,) = plan(cfg, env, tmp_path, tmp_path, "/py")
+    assert node.host == "gpu03" and _torchrun_flags(list(node.argv)) == {
+        "--nnodes": "1", "--nproc-per-node": "3", "--node-rank": "0", "--master-addr": "gpu03",
+        "--master-port": "29500"}
+
+
+def test_slurm_launcher_outside_an_allocation_is_a_clear_error(tmp_path):
+    cfg = config_from_args(["--launcher", "slurm", "train.py"])
+    with pytest.raises(HostfileError, match="SLURM_JOB_NODELIST is not set; run ptm-launch inside an allocation"):
+        plan(cfg, {}, tmp_path, tmp_path, "/py")
+    with pytest.raises(SystemExit):
+        config_from_args(["--launcher", "slurm", "--hostfile", "h", "train.py"])

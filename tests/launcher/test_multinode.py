@@ -6,6 +6,7 @@ their own; the launcher runs on the first host, as a user would, and reaches bot
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,7 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.launcher.launch_utils import REPO, STANDIN, LiveLauncher, gpt_losses, run_launcher, standin_report
+from tests.launcher.launch_utils import (
+    REPO,
+    STANDIN,
+    LiveLauncher,
+    gpt_losses,
+    gpt_losses_by_iteration,
+    run_launcher,
+    standin_report,
+)
 from tests.launcher.standin_train import reference_losses
 
 pytestmark = pytest.mark.multiprocess
@@ -153,10 +162,11 @@ def test_node_whose_torchrun_dies_fails_the_job(hosts):
     os.kill(torchrun, signal.SIGKILL)
     assert live.finish(timeout=90) == 128 + signal.SIGKILL, live.output
     out = live.output
-    assert "ptm-launch: node 1 (10.77.0.2) failed: exit code 137; stopping the other node(s)" in out
+    assert "ptm-launch: node 1 (10.77.0.2) failed; stopping the other node(s)" in out
     assert "10.77.0.2: [ptm-launch agent 10.77.0.2] torchrun was killed by SIGKILL" in out
     assert "10.77.0.1: [ptm-launch agent 10.77.0.1] stopping torchrun: the launcher closed the connection" in out
-    assert out.rstrip().endswith("ptm-launch: node 1 (10.77.0.2) failed: exit code 137")
+    assert out.rstrip().splitlines()[-1].startswith(
+        "ptm-launch: job failed: node 1 (10.77.0.2) lost its torchrun (killed by SIGKILL, exit code 137)")
     assert hosts.wait_until_idle() == {}  # the dead torchrun's orphaned workers were cleaned up too
 
 
@@ -171,9 +181,70 @@ def test_unreachable_node_fails_the_job_before_the_collective_timeout(hosts):
         subprocess.run(["ip", "-n", hosts.namespaces[1], "link", "set", "eth0", "down"], check=True)
         assert live.finish(timeout=90) == 255, live.output
         out = live.output
-        assert "ptm-launch: node 1 (10.77.0.2) failed: exit code 255 (ssh's code for a lost connection" in out
+        assert "ptm-launch: job failed: node 1 (10.77.0.2) lost its connection (ssh exit code 255" in out
         assert "Timeout" not in out and "timed out" not in out  # node 0 was stopped, it did not time out
         assert hosts.wait_until_idle(namespaces=hosts.namespaces[:1]) == {}
     finally:
         subprocess.run(["ip", "-n", hosts.namespaces[1], "link", "set", "eth0", "up"], check=True)
         hosts.kill_jobs()  # the partitioned host's ranks would otherwise wait for their own timeout
+
+
+def _restart_args(ckpt: Path) -> list[str]:
+    args = list(GPT_ARGS)
+    args[args.index("--train-iters") + 1] = "12"
+    return [*args, "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "3"]
+
+
+def _torchrun_pid(hosts: Hosts, namespace: str) -> int:
+    (pid,) = [p for p in hosts.job_pids(namespace) if _cmdline(p).split()[1:4] == ["-u", "-m", "torch.distributed.run"]]
+    return pid
+
+
+@pytest.fixture(scope="module")
+def single_host_losses():
+    """The uninterrupted run of _restart_args' model and data (without checkpoints) on one host, 4 ranks."""
+    args = _restart_args(Path("unused"))[:-6]
+    single = subprocess.run(["torchrun", "--standalone", "--nproc-per-node", "4", "pretrain_gpt.py", *args],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert single.returncode == 0, single.stdout
+    losses = gpt_losses_by_iteration(single.stdout)
+    assert sorted(losses) == list(range(1, 13))
+    return losses
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["second-node", "store-host"])
+def test_gpt_survives_a_node_whose_torchrun_is_killed(hosts, tmp_path, single_host_losses, victim):
+    """Node 1: its torchrun is started again and rejoins; node 0 hosts the rendezvous store, so every node
+    starts again. Either way every rank resumes from the last checkpoint and the losses are the reference's."""
+    ckpt = tmp_path / "ckpt"
+    live = LiveLauncher(*_ssh_args(hosts), "--max_restarts", "1", "pretrain_gpt.py", *_restart_args(ckpt),
+                        netns=hosts.namespaces[0], env=GLOO_ENV)
+    try:
+        live.wait_for(re.compile(r"iteration\s+7/"), timeout=300)
+        os.kill(_torchrun_pid(hosts, hosts.namespaces[victim]), signal.SIGKILL)
+        killed_at = time.monotonic()
+        restart = live.wait_for("ptm-launch: restart 1 of 1:", timeout=120)
+        resumed = int(re.search(r"from iteration (\d+)", live.lines[restart])[1])
+        again = live.wait_for(re.compile(rf"iteration\s+{resumed + 1}/"), timeout=300, after=restart)
+        assert live.finish(timeout=300) == 0, live.output
+    finally:
+        if live.proc.poll() is None:
+            live.proc.kill()
+            hosts.kill_jobs()
+    seconds = live.times[again] - killed_at
+    print(f"\nnode {victim}'s torchrun killed -> iteration {resumed + 1} trained again after {seconds:.1f} s")
+    out = live.output
+    host = ("10.77.0.1", "10.77.0.2")[victim]
+    what = "it hosted the rendezvous, so every node starts again" if victim == 0 else "starting its torchrun again"
+    assert f"ptm-launch: node {victim} ({host}) lost its torchrun (killed by SIGKILL, exit code 137); {what}" in out
+    assert live.lines[restart].rstrip() == (
+        f"ptm-launch: restart 1 of 1: node {victim} ({host}) lost its torchrun (killed by SIGKILL, exit code 137); "
+        f"restarting all ranks from iteration {resumed} ({ckpt}/latest_checkpointed_iteration.txt); 0 restart(s) left")
+    assert "ptm-launch: restart 1: all 2 node(s) rejoined" in out
+    assert resumed >= 6
+    retrained = {i: float(v) for i, v in gpt_losses_by_iteration(live.lines[again:]).items()}
+    assert sorted(retrained) == list(range(resumed + 1, 13))
+    losses = {i: float(v) for i, v in gpt_losses_by_iteration(out).items()}
+    assert losses == pytest.approx({i: float(v) for i, v in single_host_losses.items()}, rel=1e-6)
+    assert retrained == pytest.approx({i: losses[i] for i in retrained}, rel=0)
+    assert hosts.wait_until_idle() == {}

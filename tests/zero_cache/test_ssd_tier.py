@@ -293,8 +293,22 @@ def test_unwritable_nvme_path_is_a_clear_error(tmp_path):
     ro.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(ro)], check=True)
     try:
-        with pytest.raises(SSDTierError, match="Read-only file system"):
+        with pytest.raises(SSDTierError, match=f"nvme_path '{ro}/swap' is on a read-only filesystem \\('{ro}' is "
+                                               f"mounted read-only\\); point .*nvme_path at a writable directory"):
+            _engine(_nvme_config(1, str(ro / "swap")))
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+
+
+def test_small_read_only_filesystem_is_reported_as_read_only_not_as_full(tmp_path):
+    """Its free space is below the states' size: the space check alone would blame the size of the disk."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k,ro", "tmpfs", str(ro)], check=True)
+    try:
+        with pytest.raises(SSDTierError, match="read-only filesystem") as e:
             _engine(_nvme_config(1, str(ro)))
+        assert "budget" not in str(e.value) and "space" not in str(e.value)
     finally:
         subprocess.run(["umount", str(ro)], check=True)
 

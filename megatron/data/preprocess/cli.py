@@ -52,9 +52,14 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Bad input or an unusable output path: one line, exit code 2; a failed run (a worker died): exit code 1."""
     args = get_args(argv)
     try:
         preprocess(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        sys.exit(f"preprocess_data.py: error: {e}")
+    except (ValueError, OSError) as e:
+        print(f"preprocess_data.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except RuntimeError as e:
+        print(f"preprocess_data.py: error: {e}", file=sys.stderr)
+        sys.exit(1)
 

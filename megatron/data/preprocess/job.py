@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from megatron.data.indexed_dataset import best_fitting_dtype, install_dataset, merge_datasets
 from megatron.data.preprocess.document_encoder import EncoderSettings
 from megatron.data.preprocess.jsonl_reader import expand_inputs, plan_partitions, read_chunks
-from megatron.data.preprocess.partition import PartitionJob, PartitionStats, run_partition
+from megatron.data.preprocess.partition import BadInputError, PartitionJob, PartitionStats, run_partition
 from megatron.data.preprocess.sentence_splitter import installed_punkt_params, punkt_params_blob, train_punkt_params
 from megatron.tokenizer import build_tokenizer
 from megatron.training.arguments.tokenizer import tokenizer_config_from_args
@@ -97,7 +97,7 @@ def _run_partitions(jobs: list[PartitionJob], progress: _Progress) -> list[Parti
     for p in procs:
         p.start()
     stats: dict[int, PartitionStats] = {}
-    errors: dict[int, str] = {}
+    errors: dict[int, tuple[str, bool]] = {}
     try:
         while len(stats) + len(errors) < len(jobs):
             try:
@@ -105,7 +105,7 @@ def _run_partitions(jobs: list[PartitionJob], progress: _Progress) -> list[Parti
             except queue.Empty:
                 for i, p in enumerate(procs):
                     if p.exitcode not in (None, 0) and i not in stats and i not in errors:
-                        errors[i] = f"partition {i} died (exit code {p.exitcode}); out of memory or killed?"
+                        errors[i] = (f"partition {i} died (exit code {p.exitcode}); out of memory or killed?", False)
                         stop.set()
                 continue
             if kind == "progress":
@@ -123,9 +123,41 @@ def _run_partitions(jobs: list[PartitionJob], progress: _Progress) -> list[Parti
                 p.kill()
                 p.join()
     if errors:  # report the cause, not the partitions stopped because of it
-        causes = [e for _, e in sorted(errors.items()) if "another partition failed" not in e]
-        raise RuntimeError((causes or list(errors.values()))[0])
+        causes = [e for _, e in sorted(errors.items()) if "another partition failed" not in e[0]]
+        message, bad_input = (causes or list(errors.values()))[0]
+        raise BadInputError(message) if bad_input else RuntimeError(message)
     return [stats[i] for i in range(len(jobs))]
+
+
+def _prepare_output_dir(output_prefix: str) -> None:
+    """Create the directory of ``--output-prefix``; a path that cannot hold the outputs is one clear error."""
+    directory = os.path.dirname(os.path.abspath(output_prefix))
+    fix = "choose an --output-prefix in a writable directory"
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except FileExistsError:
+        raise BadInputError(f"--output-prefix {output_prefix}: {directory} exists and is not a directory; {fix}") \
+            from None
+    except OSError as e:
+        raise BadInputError(f"--output-prefix {output_prefix}: cannot create {e.filename or directory} "
+                            f"({e.strerror}); {fix}") from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        read_only = os.statvfs(directory).f_flag & os.ST_RDONLY
+        why = "it is on a read-only filesystem" if read_only else "it is not writable"
+        raise BadInputError(f"--output-prefix {output_prefix}: cannot write to {directory} ({why}); {fix}")
+
+
+def _refuse_empty(stats: list[PartitionStats], files: list[str], keys: list[str]) -> None:
+    """A dataset without documents or tokens only fails later, in the trainer: refuse it here."""
+    documents = sum(s.documents for s in stats)
+    names = ", ".join(files)
+    if documents == 0:
+        raise BadInputError(f"--input {names}: no documents (the input is empty or every line was blank or "
+                            f"skipped); give JSONL with one {{\"{keys[0]}\": ...}} object per line")
+    for key in keys:
+        if sum(s.tokens[key] for s in stats) == 0:
+            raise BadInputError(f"--input {names}: {documents:,} documents but no tokens under the key {key!r} "
+                                f"(every {key!r} is empty); check --json-keys or the input")
 
 
 def preprocess(args: argparse.Namespace) -> dict[str, str]:
@@ -138,7 +170,7 @@ def preprocess(args: argparse.Namespace) -> dict[str, str]:
                                _punkt_params(args, files), args.keep_newlines)
     level = "sentence" if args.split_sentences else "document"
     finals = {key: f"{args.output_prefix}_{key}_{level}" for key in args.json_keys}
-    os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
+    _prepare_output_dir(args.output_prefix)
     tag = f"tmp-{os.getpid()}"
     parts = plan_partitions(files, args.partitions)
     jobs = [PartitionJob(index=i, segments=tuple(segments), settings=settings,
@@ -153,6 +185,7 @@ def preprocess(args: argparse.Namespace) -> dict[str, str]:
                          start=time.perf_counter())
     try:
         stats = _run_partitions(jobs, progress)
+        _refuse_empty(stats, files, args.json_keys)
         for key, final in finals.items():
             shards = [job.output_prefixes[key] for job in jobs]
             if len(shards) == 1:

@@ -109,7 +109,7 @@ def _encode_all(job: PartitionJob, executor: ProcessPoolExecutor, writer: _Write
 
 def run_partition(job: PartitionJob, events: mp.Queue, stop: mp.Event) -> None:
     """Process target: encode ``job``, reporting ("progress", index, counts) per chunk, then ("done", index,
-    stats) or ("error", index, message)."""
+    stats) or ("error", index, (message, whether the input or an output path is at fault))."""
     # a worker that dies (e.g. out of memory) breaks the executor with an error instead of hanging it
     executor = ProcessPoolExecutor(job.workers, mp_context=mp.get_context("spawn"))
     writer = None
@@ -122,10 +122,12 @@ def run_partition(job: PartitionJob, events: mp.Queue, stop: mp.Event) -> None:
         executor.shutdown(wait=True, cancel_futures=True)  # drop queued chunks, let running ones end
         if writer is not None:
             writer.discard()
+        bad_input = isinstance(e, (BadInputError, ValueError)) or (isinstance(e, OSError)
+                                                                    and not isinstance(e, InterruptedError))
         if isinstance(e, BrokenProcessPool):
             message = f"an encoder process died (out of memory or killed?): {e}"
-        elif isinstance(e, (BadInputError, InterruptedError, OSError, ValueError)):
+        elif bad_input or isinstance(e, InterruptedError):
             message = str(e)
         else:
             message = traceback.format_exc()
-        events.put(("error", job.index, message))
+        events.put(("error", job.index, (message, bad_input)))

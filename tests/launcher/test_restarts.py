@@ -1,0 +1,95 @@
+"""ptm-launch --max_restarts on one machine: a rank killed mid-run, a torchrun killed, restarts running out.
+
+The strongest check trains the real pretrain_gpt.py (tiny GPT, DP=2, dropout on) with --save/--load: rank 1
+is killed with SIGKILL after the checkpoint of iteration 6, every rank restarts from it, and the losses of
+every iteration equal those of the uninterrupted run.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import psutil
+import pytest
+
+from tests.launcher.launch_utils import (
+    STANDIN,
+    LiveLauncher,
+    gpt_losses_by_iteration,
+    run_launcher,
+    tiny_gpt_args,
+)
+from tests.launcher.standin_train import reference_losses
+
+pytestmark = pytest.mark.multiprocess
+
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_killed_rank_restarts_every_rank_from_the_checkpoint_with_the_uninterrupted_losses(tmp_path):
+    reference = run_launcher("--num_gpus", "2", "pretrain_gpt.py", *tiny_gpt_args(), env=CPU_ONLY, timeout=300)
+    assert reference.returncode == 0, reference.stdout
+    expected = gpt_losses_by_iteration(reference.stdout)
+    assert sorted(expected) == list(range(1, 13))
+
+    ckpt = tmp_path / "ckpt"
+    live = LiveLauncher("--num_gpus", "2", "--max_restarts", "1", "pretrain_gpt.py", *tiny_gpt_args(),
+                        "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "3", env=CPU_ONLY)
+    live.wait_for(re.compile(r"iteration\s+7/"), timeout=300)
+    victim = live.workers()[1]
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    restart = live.wait_for("ptm-launch: restart 1 of 1:", timeout=120)
+    resumed = int(re.search(r"from iteration (\d+)", live.lines[restart])[1])
+    first_again = live.wait_for(re.compile(rf"iteration\s+{resumed + 1}/"), timeout=300, after=restart)
+    assert live.finish(timeout=300) == 0, live.output
+    seconds = live.times[first_again] - killed_at
+    print(f"\nrank 1 killed -> iteration {resumed + 1} trained again after {seconds:.1f} s")
+
+    out = live.output
+    assert live.lines[restart].rstrip() == (
+        f"ptm-launch: restart 1 of 1: rank 1 (localhost, local rank 1) was killed by SIGKILL; restarting all ranks "
+        f"from iteration {resumed} ({ckpt}/latest_checkpointed_iteration.txt); 0 restart(s) left")
+    assert resumed >= 6 and resumed % 3 == 0
+    assert "ptm-launch: restart 1: all 1 node(s) rejoined" in out
+    assert f"loaded checkpoint {ckpt}/iter_{resumed:07d}" in out
+    assert "another rank failed" not in out and "Traceback" not in out  # rank 0 only stopped: kept out
+    assert gpt_losses_by_iteration(live.lines[first_again:]) == {i: expected[i] for i in range(resumed + 1, 13)}
+    assert gpt_losses_by_iteration(out) == expected
+    assert seconds < 240
+
+
+def test_restarts_that_run_out_fail_the_job_with_the_last_cause():
+    result = run_launcher("--num_gpus", "2", "--max_restarts", "1", STANDIN, "--fail-rank", "1", "--fail-step", "1",
+                          env=CPU_ONLY, timeout=300)
+    assert result.returncode == 1, result.stdout
+    out = result.stdout
+    assert ("ptm-launch: restart 1 of 1: rank 1 (localhost, local rank 1) exited with code 1: RuntimeError: injected "
+            "failure on rank 1 at step 1; restarting all ranks from its latest checkpoint; 0 restart(s) left") in out
+    assert out.count("allreduce: 3.0") == 2  # ran twice
+    assert out.count("[rank1]: RuntimeError: injected failure on rank 1 at step 1") == 2
+    assert "Connection closed by peer" not in out and "ChildFailedError" not in out
+    assert out.rstrip().splitlines()[-1] == (
+        "ptm-launch: job failed: rank 1 (localhost, local rank 1) exited with code 1 (its error is above; 1 other "
+        "rank(s) stopped because of it; 1 of 1 restart(s) used)")
+
+
+def test_a_killed_torchrun_is_started_again():
+    live = LiveLauncher("--num_gpus", "2", "--max_restarts", "1", STANDIN, "--steps", "6", "--sleep", "0.3",
+                        env=CPU_ONLY)
+    live.wait_for("step 1 loss", timeout=120)
+    (torchrun,) = [p for p in psutil.Process(live.proc.pid).children(recursive=True)
+                   if p.cmdline()[1:4] == ["-u", "-m", "torch.distributed.run"]]
+    workers = list(live.workers().values())
+    torchrun.kill()
+    assert live.finish(timeout=240) == 0, live.output
+    out = live.output
+    assert ("ptm-launch: node 0 (localhost) lost its torchrun (killed by SIGKILL, exit code 137); starting its "
+            "torchrun again") in out
+    assert "ptm-launch: restart 1: all 1 node(s) rejoined" in out
+    assert out.count("allreduce: 3.0") == 2
+    losses = {int(step): float(loss) for step, loss in re.findall(r"step (\d+) loss (\S+)", out)}  # the last run's
+    assert [losses[s] for s in range(6)] == pytest.approx(reference_losses(world=2, steps=6), rel=1e-5)
+    assert not any(psutil.pid_exists(pid) for pid in workers)  # the dead torchrun's workers were cleaned up
