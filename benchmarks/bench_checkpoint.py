@@ -27,7 +27,7 @@ import psutil
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SAVE = re.compile(r"saved checkpoint at iteration (\d+) .*?written in ([0-9.]+) s, training blocked ([0-9.]+) s")
-_LOAD = re.compile(r"loaded checkpoint at iteration \d+ .* in ([0-9.]+) s")
+_LOAD = re.compile(r"loaded checkpoint \S+ in ([0-9.]+) s")
 _STEP = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
 
 

@@ -95,7 +95,8 @@ def test_sliced_save_and_resume_beyond_the_host_budget_is_exact(tmp_path):
     n = math.ceil(saved[0]["shards"] / SLICE)
     expected = {f"zero_pp_rank_{r}_mp_rank_00_{kind}_states{suffix}.pt" for r in range(DP)
                 for kind in ("model", "optim") for suffix in ["", *(f".slice{k:05d}" for k in range(n))]}
-    assert set(os.listdir(tag_dir)) == expected and n >= 8
+    sidecars = {f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt.crc32" for r in range(DP) for kind in ("model", "optim")}
+    assert set(os.listdir(tag_dir)) == expected | sidecars and n >= 8  # each metadata file's checksum beside it
     for name in sorted(expected):  # every file is plain tensors and values; slice files stay within their bound
         obj = torch.load(os.path.join(tag_dir, name), weights_only=True)
         if ".slice" in name:
@@ -197,7 +198,8 @@ def test_both_layouts_round_trip_and_consolidate(tmp_path, multi_slice):
     engine.close()
     files = sorted(os.listdir(os.path.join(ckpt, "global_step2")))
     suffixes = ["", *(f".slice{k:05d}" for k in range(n))]
-    assert files == sorted(f"zero_pp_rank_0_mp_rank_00_{k}_states{s}.pt" for k in ("model", "optim") for s in suffixes)
+    assert files == sorted([f"zero_pp_rank_0_mp_rank_00_{k}_states{s}.pt" for k in ("model", "optim") for s in suffixes]
+                           + [f"zero_pp_rank_0_mp_rank_00_{k}_states.pt.crc32" for k in ("model", "optim")])
     # The reader follows the files, not its own setting.
     _assert_reloads(tmp_path, ckpt, weights, losses, save_large_model_multi_slice=not multi_slice)
 
@@ -226,6 +228,7 @@ def test_checkpoints_of_the_previous_format_still_load(tmp_path):
         meta["format"] = "zero_cache/1"
         meta.update({n: [t.clone() for t in torch.split(meta[n], shards)] for n in names})
         torch.save(meta, path)
+        os.remove(f"{path}.crc32")  # that format recorded no checksum beside its files
     _assert_reloads(tmp_path, ckpt, weights, losses)
 
 

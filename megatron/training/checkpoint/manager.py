@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import time
 from typing import Any
 
@@ -123,9 +124,9 @@ class CheckpointManager:
         else:  # a legacy layout: the backend's own (or a clear error naming what is missing)
             it, consumed = self.backend.load_legacy_checkpoint(cfg, iteration, self.scheduler, self.rng_tracker)
         if dist.get_rank() == 0:
-            print(f"> loaded checkpoint at iteration {iteration} from {cfg.load} in "
-                  f"{time.perf_counter() - start:.2f} s "
-                  f"(resuming at iteration {it}, {consumed} consumed samples)", flush=True)
+            where = directory if os.path.isdir(directory) else os.path.join(cfg.load, f"global_step{iteration}")
+            print(f"> loaded checkpoint {where} in {time.perf_counter() - start:.2f} s (resuming at iteration {it}, "
+                  f"{consumed} consumed samples)", flush=True)
         return it, consumed
 
     def _load_distributed(self, directory: str) -> tuple[int, int]:
