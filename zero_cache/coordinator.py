@@ -48,7 +48,7 @@ from .config import ZeroOptimizationConfig
 from .param_arena import ParamArena
 from .partition import FlatChunk
 from .store import DEVICE, ShardStore
-from .streams import DONE, HostStreams, Streams
+from .streams import HostStreams, Streams
 
 
 def in_backward() -> bool:
@@ -218,7 +218,9 @@ class ParamCoordinator:
         else:
             if src.device != chunk.full.device:
                 src = src.to(chunk.full.device, non_blocking=True)
-            after = DONE if self.streams.separate else None  # one issue order with the copied chunks
+            # Issued through the streams as the copied chunks are (one order on every rank), after the compute
+            # stream: the shard was written, and the buffer may have been used, by kernels queued before.
+            after = self.streams.compute_event() if self.streams.separate else None
             self.inflight[c] = self.comm.all_gather(chunk.full, src, tag=f"chunk{c}", async_op=True, after=after)
         self.live_numel += chunk.plan.padded
         self.gathered_bytes += chunk.full_nbytes()
