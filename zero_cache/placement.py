@@ -150,7 +150,8 @@ def copy_staging_units(plans: list[ChunkPlan], layouts: list[list[StateSpec]], c
 def copy_staging_bytes(plans: list[ChunkPlan], layouts: list[list[StateSpec]], cfg: ZeroCacheConfig,
                        device: torch.device) -> int:
     """Host bytes of the pinned staging pools: ``STAGING_BUFFERS`` buffers per direction."""
-    return STAGING_BUFFERS * sum(copy_staging_units(plans, layouts, cfg, device))
+    h2d, d2h = copy_staging_units(plans, layouts, cfg, device)
+    return STAGING_BUFFERS["h2d"] * h2d + STAGING_BUFFERS["d2h"] * d2h
 
 
 def tier_bytes(layouts: list[list[StateSpec]]) -> dict[str, int]:

@@ -40,7 +40,9 @@ import torch
 from .config import ZeroCacheConfig, ZeroConfigError
 
 H2D, D2H = "h2d", "d2h"
-STAGING_BUFFERS = 2  # per direction: one buffer being copied while the next is filled
+# Pinned staging buffers per direction. Host to device: double-buffered, one being copied while the next is
+# filled. Device to host: one more, since the host lane holds a buffer while it accumulates from it.
+STAGING_BUFFERS = {"h2d": 2, "d2h": 3}
 
 
 class Event:
@@ -236,12 +238,12 @@ class Streams:
         """Stop worker threads (the emulator's)."""
 
     # ---- the copy path ---------------------------------------------------------------------------------
-    def configure_staging(self, h2d_unit: int, d2h_unit: int, buffers: int = STAGING_BUFFERS) -> None:
+    def configure_staging(self, h2d_unit: int, d2h_unit: int) -> None:
         """Size the pinned pools by the largest transfer each direction stages (bytes)."""
         if h2d_unit:
-            self.h2d_pool = StagingPool(h2d_unit, buffers, self._allocate_pinned, self.meter)
+            self.h2d_pool = StagingPool(h2d_unit, STAGING_BUFFERS[H2D], self._allocate_pinned, self.meter)
         if d2h_unit:
-            self.d2h_pool = StagingPool(d2h_unit, buffers, self._allocate_pinned, self.meter)
+            self.d2h_pool = StagingPool(d2h_unit, STAGING_BUFFERS[D2H], self._allocate_pinned, self.meter)
 
     @property
     def staging_bytes(self) -> int:
