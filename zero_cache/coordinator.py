@@ -78,6 +78,7 @@ class ParamCoordinator:
                            and ("param" in c.swapped or store.tier_of(c.state_key("param")) != DEVICE)
                            for c in chunks]
         self._releases: list = []  # (event, staging buffer): SSD buffers a copy still reads
+        self._copies: dict[int, object] = {}  # chunk -> done event of the copy into its full buffer
         self.on_issue: Callable[[int], None] | None = None  # told before a chunk's shard is read
         self.ssd_reads: dict[int, object] = {}  # chunk -> SwapHandle of its parameter shard being read
         self.staged: dict[int, torch.Tensor] = {}  # chunk -> shard buffer an in-flight gather reads
@@ -211,6 +212,7 @@ class ParamCoordinator:
         if self.host_param[c]:
             piece = chunk.shard_of_full()
             copy = self.streams.h2d(piece, src, after=(self.streams.compute_event(),))
+            self._copies[c] = copy.done
             if c in self.staged:
                 self._release_after(self.staged.pop(c), copy.source_free)
             self.inflight[c] = self.comm.all_gather(chunk.full, piece, tag=f"chunk{c}", async_op=True,
@@ -315,6 +317,9 @@ class ParamCoordinator:
 
     def _free(self, c: int) -> None:
         chunk = self.chunks[c]
+        landed = self._copies.pop(c, None)
+        if landed is not None:  # memory is given back only once the copy into it is done
+            self.streams.before_free(landed)
         if self.arena is not None:
             self.arena.remove(chunk)
             chunk.gathered = False

@@ -11,6 +11,8 @@ and host memory goes through ``EmulatedStreams``, which behaves as a GPU's copy 
   when it lands, reading the source at that time. A reader that skips a wait sees NaN or stale values, and
   a writer that reuses a source too early changes what lands, so a missing wait gives wrong numbers
   instead of passing by luck;
+- memory is freed at once (no caching allocator), so device memory a copy wrote is freed only after that
+  copy is done (``before_free``);
 - the compute stream is the training thread itself: ``compute_event`` is done at once and ``wait`` blocks
   the thread (the time is counted as compute blocked on copies);
 - ``issue_after(event, fn)`` with gloo's point-to-point collectives runs ``fn`` on the host-to-device
@@ -147,6 +149,9 @@ class EmulatedStreams(Streams):
 
     def pinned(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() in self._pinned
+
+    def before_free(self, event: Event) -> None:
+        self.wait(event)  # a free is immediate here: a copy still in flight would write freed memory
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         self._pinned.add(t.untyped_storage().data_ptr())

@@ -221,6 +221,11 @@ class Streams:
     def pinned(self, t: torch.Tensor) -> bool:
         raise NotImplementedError
 
+    def before_free(self, event: Event) -> None:
+        """Device memory a copy wrote (``event``) is about to be freed or reused by the host's bookkeeping. On a
+        GPU nothing to do: the caching allocator reuses a block in compute-stream order, and compute waited
+        for the copy before it read the block. Where frees are immediate (the emulator) the host waits."""
+
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` in pinned host memory (a host-tier shard with pin_memory)."""
         return t

@@ -144,9 +144,7 @@ def test_speculation_is_accepted_without_clipping_and_redone_with_it(results, re
 
 # ---- the harness catches races (one process: no spawn) --------------------------------------------------
 def _single_process_losses(steps: int = 2) -> list[float]:
-    """Chunks stay gathered until the step (reuse): a copy a reader skipped lands before its buffer is freed."""
-    keep = {"stage3_max_reuse_distance": 10**9, "stage3_max_live_parameters": 10**9}
-    engine = _engine(_config(1, "cpu", 0.0, emulator={**EMULATOR, "random_delay_ms": 0.0}, **keep))
+    engine = _engine(_config(1, "cpu", 0.0, emulator={**EMULATOR, "random_delay_ms": 0.0}))
     try:
         return _train(engine, 0, 1, steps)[0]
     finally:
@@ -163,8 +161,7 @@ def test_gather_that_skips_its_copy_wait_gives_wrong_numbers(monkeypatch):
     def no_wait(self, out, shard, tag="", async_op=False, after=None):
         return original(self, out, shard, tag, async_op, None if after is None else DONE)
     monkeypatch.setattr(Comm, "all_gather", no_wait)
-    # Wrong numbers, or the emulator's error for a destination freed while its copy was still in flight.
-    with pytest.raises((AssertionError, RuntimeError)):
+    with pytest.raises(AssertionError):
         assert_close_losses(_single_process_losses(), reference_run(steps=2)[0])
 
 
