@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# One-GPU check for a freshly lent machine (written for one H200; under 8 minutes), then a summary table:
-#   1. pytest tests/cuda                       (CUDA-only paths: pinned shards, NCCL, SSD tier, trainer)
+# One-GPU check for a freshly lent machine (written for one H200; under 10 minutes), then a summary table:
+#   1. pytest tests/cuda                       (CUDA-only paths: pinned shards, NCCL, SSD tier, copy streams, trainer)
 #   2. dense 1.3B, bf16, no offload, 20 iters  (tokens/s, TFLOP/s, MFU against PEAK_TFLOPS)
-#   3. the planner's largest model of the hidden-8192 family on this GPU + host + disk, 3 steps
+#   3. torch.profiler trace of 3 steps with host offload: copy kernels concurrent with compute kernels
+#                                              (the share of copy time hidden)
+#   4. the planner's largest model of the hidden-8192 family on this GPU + host + disk, 3 steps
 #                                              (s/step, peak memory per tier)
 #
 #   bash benchmarks/gpu_check.sh              # run; logs, plans, plots and summary.txt go to $OUT
 #   bash benchmarks/gpu_check.sh --dry-run    # print the commands and exit
 #
-# Each stage has its own time limit and all of it fits GPU_CHECK_BUDGET_S (default 465 s; stage 3 gets
+# Each stage has its own time limit and all of it fits GPU_CHECK_BUDGET_S (default 555 s; stage 4 gets
 # what the others leave); a failed or timed-out stage is reported in the table and the next one still
 # runs. Environment: OUT (where everything goes; default a new benchmarks/logs/gpu_check-<UTC time>/, which
 # git ignores), PEAK_TFLOPS (bf16 dense peak of the GPU for MFU, default 989: the H200 SXM datasheet
@@ -25,11 +27,12 @@ case "${1:-}" in
 esac
 
 PEAK_TFLOPS="${PEAK_TFLOPS:-989}"
-BUDGET_S="${GPU_CHECK_BUDGET_S:-465}"
-T_BOOT=60     # stage caps, seconds; stage 3 gets whatever is left of BUDGET_S
+BUDGET_S="${GPU_CHECK_BUDGET_S:-555}"
+T_BOOT=60     # stage caps, seconds; stage 4 gets whatever is left of BUDGET_S
 T_TESTS=170
 T_DENSE=140
 T_PLAN=45
+T_OVERLAP=90
 NVME_PATH="${NVME_PATH:-/tmp/zc_nvme}"
 WORK="${OUT:-$ROOT/benchmarks/logs/gpu_check-$(date -u +%Y%m%d-%H%M%S)}"  # created only when not a dry run
 PY=python
@@ -148,7 +151,16 @@ log="$WORK/dense.log"
 run_stage "$log" "$T_DENSE" "${TORCHRUN[@]}" pretrain_gpt.py "${DENSE[@]}"
 report_train "$log" dense "2 dense 1.3B bf16 x20" "${SECS}s"
 
-# ---- 3. the planner's largest model on this GPU + host + disk, 3 steps -------------------------------
+# ---- 3. copies concurrent with compute: a profiler trace of 3 steps with host offload ---------------------
+log="$WORK/overlap.log"
+run_stage "$log" "$T_OVERLAP" "$PY" -m benchmarks.profile_overlap --out "$WORK/overlap"
+if [ "$DRY_RUN" = 0 ]; then
+  fig="$(grep -E '^overlap: [0-9]' "$log" | tail -n 1 | cut -c10-150)"
+  [ "$RC" = 0 ] || fig="$(grep -E 'FAIL|Error|error' "$log" | tail -n 1 | cut -c1-140) | $fig"
+  add_row "3 copy/compute overlap" "$(status_of "$RC")" "${SECS}s" "$fig"
+fi
+
+# ---- 4. the planner's largest model on this GPU + host + disk, 3 steps -------------------------------
 log="$WORK/maxscale.log"
 PLAN=(tools/plan_memory.py --device cuda --num-layers 1 --hidden-size 8192 --num-attention-heads 64
       --ffn-hidden-size 32768 --seq-length 2048 --vocab-size 32000 --largest --nproc-per-node 1
@@ -168,9 +180,9 @@ if [ "$DRY_RUN" = 1 ] || [ ${#MAX_ARGS[@]} -gt 0 ]; then
             --lr 1e-4 --mock-data --tokenizer-type NullTokenizer --vocab-size 32000
             --log-interval 1 --eval-iters 0 --num-workers 2)
   run_stage "$log" "$left" "${TORCHRUN[@]}" pretrain_gpt.py "${MAXSCALE[@]}"
-  report_train "$log" maxscale "3 planner max-scale x3" "$((plan_secs + SECS))s"
+  report_train "$log" maxscale "4 planner max-scale x3" "$((plan_secs + SECS))s"
 else
-  add_row "3 planner max-scale x3" "$(status_of "$plan_rc")" "${plan_secs}s" "planner: $(tail -n 1 "$log" | cut -c1-140)"
+  add_row "4 planner max-scale x3" "$(status_of "$plan_rc")" "${plan_secs}s" "planner: $(tail -n 1 "$log" | cut -c1-140)"
 fi
 
 [ "$DRY_RUN" = 1 ] && exit 0

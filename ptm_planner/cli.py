@@ -38,6 +38,7 @@ from ptm_planner.plan import (
 )
 from ptm_planner.sizes import DEFAULT_SEQ_LENGTH, SIZES, get_size
 from ptm_planner.stages import Mesh
+from ptm_planner.step_time import Speeds, measure_host_adam
 from zero_cache.store import DEVICE, HOST, NVME, TIERS
 
 EXIT_FITS, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 2, 3
@@ -68,6 +69,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--nvme-path", default=os.path.join(tempfile.gettempdir(), "zero_cache_nvme"))
     g.add_argument("--nvme-free-gib", type=float, default=None, help="free disk under --nvme-path")
     g.add_argument("--cpus", type=int, default=None, help="CPU cores per node (SSD I/O threads)")
+    d = Speeds()
+    g = p.add_argument_group("step prediction and prefetch_cache_sub_group_rate (--device cuda; stated figures, or "
+                             "measured where asked)")
+    g.add_argument("--gradient-accumulation-steps", type=int, default=1, help="micro-batches per step")
+    g.add_argument("--device-tflops", type=float, default=d.device_tflops, help="sustained model TFLOP/s per GPU")
+    g.add_argument("--pcie-gbps", type=float, default=d.pcie_gbps, help="host <-> GPU GB/s, each direction")
+    g.add_argument("--device-adam-elems-per-s", type=float, default=d.device_adam_elems_per_s)
+    g.add_argument("--host-adam-elems-per-s", default=str(d.host_adam_elems_per_s),
+                   help="fused Adam elements/s of one process's host cores, or 'measure' (here, 1 thread per process)")
+    g.add_argument("--ssd-gbps", type=float, default=d.ssd_gbps, help="SSD GB/s per process, reads and writes")
     g = p.add_argument_group("output")
     g.add_argument("--offload", choices=["auto", *OFFLOADS], default="auto",
                    help="restrict the plan to one offload mode (default: the fastest that fits)")
@@ -166,7 +177,31 @@ def request_from_args(argv: list[str]) -> tuple[Request, argparse.Namespace]:
                          f"{mesh.pp}")
     offloads = OFFLOADS if args.offload == "auto" else (args.offload,)
     return Request(model, mesh, hardware, args.micro_batch_size, offloads, args.make_vocab_size_divisible_by,
-                   known.size), args
+                   known.size, speeds_from_args(args, hardware), args.gradient_accumulation_steps), args
+
+
+def speeds_from_args(args: argparse.Namespace, hardware: Hardware) -> Speeds | None:
+    """The speeds of the step prediction (None on a CPU machine: no separate device to balance against)."""
+    if hardware.device != "cuda":
+        return None
+    measured = []
+    if args.host_adam_elems_per_s == "measure":
+        host = measure_host_adam()
+        measured.append("host_adam_elems_per_s")
+    else:
+        try:
+            host = float(args.host_adam_elems_per_s)
+        except ValueError:
+            raise ValueError(f"--host-adam-elems-per-s takes a number or 'measure', got "
+                             f"{args.host_adam_elems_per_s!r}") from None
+    values = {"device_tflops": args.device_tflops, "pcie_gbps": args.pcie_gbps,
+              "device_adam_elems_per_s": args.device_adam_elems_per_s, "host_adam_elems_per_s": host,
+              "ssd_gbps": args.ssd_gbps, "gradient_accumulation_steps": args.gradient_accumulation_steps}
+    for name, value in values.items():
+        if value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0 (got {value})")
+    values.pop("gradient_accumulation_steps")
+    return Speeds(**values, measured=tuple(measured))
 
 
 def megatron_args(p: Plan) -> list[str]:
@@ -234,6 +269,10 @@ def to_json(p: Plan) -> dict:
         "largest_parameters": p.largest_parameters,
         "largest_size": p.largest_size,
         "needs": p.needs,
+        "speeds": dataclasses.asdict(r.speeds) if r.speeds is not None else None,
+        "step_prediction": None if p.step is None else {
+            **dataclasses.asdict(p.step), "forward_backward_s": p.step.forward_backward_s,
+            "host_lane_s": p.step.host_lane_s, "optimizer_s": p.step.optimizer_s, "step_s": p.step.step_s},
         "message": summary(p),
     }
 
@@ -326,6 +365,12 @@ def table(p: Plan) -> str:
     if p.largest_layers is not None and p.fits:
         out.append(f"  the largest of this family that fits: --num-layers {p.largest_layers} "
                    f"({_params(p.largest_parameters)} parameters)")
+    if p.step is not None:
+        sp = r.speeds
+        out += ["", f"predicted step ({r.accumulation_steps} micro-batch(es); {sp.device_tflops:g} TFLOP/s, PCIe "
+                f"{sp.pcie_gbps:g} GB/s, device Adam {sp.device_adam_elems_per_s:.3g} and host Adam "
+                f"{sp.host_adam_elems_per_s:.3g} elements/s{' (measured)' if sp.measured else ''}, SSD "
+                f"{sp.ssd_gbps:g} GB/s):"] + p.step.lines()
     out += ["", summary(p)]
     return "\n".join(out)
 

@@ -29,6 +29,7 @@ import torch
 from megatron.core.transformer_config import TransformerConfig
 from ptm_planner.sizes import SIZES
 from ptm_planner.stages import Mesh, StageModel, build_stage, representative_stages
+from ptm_planner.step_time import Speeds, StepBreakdown, StepWork, balanced_rate, predict
 from zero_cache.aio import HEADER_BYTES, round_up
 from zero_cache.config import ZeroCacheConfig, ZeroConfigError, parse_config
 from zero_cache.param_arena import region_numel
@@ -87,6 +88,8 @@ class Request:
     offloads: tuple[str, ...] = OFFLOADS  # allowed offload modes, fastest first
     make_vocab_size_divisible_by: int = 128
     size_name: str | None = None
+    speeds: Speeds | None = None  # with an accelerator: the step prediction and the balanced rate (step_time.py)
+    accumulation_steps: int = 1  # micro-batches per step, for the step prediction
 
     @property
     def dtype(self) -> torch.dtype:
@@ -417,6 +420,51 @@ class Planner:
         return ev
 
     def best_rate(self, option: Option) -> Evaluation:
+        """The prefetch_cache_sub_group_rate (share of sub-groups on the device): the largest that fits, and with
+        an accelerator's speeds no more than the one at which the device's and the host's optimizer parts
+        finish together (step_time.balanced_rate)."""
+        ev = self.largest_rate(option)
+        speeds = self.request.speeds
+        if speeds is None or self.cpu or option.offload == "none" or ev.option.rate == 0:
+            return ev
+        step = math.floor(balanced_rate(speeds, self._writeback_per_elem(ev)) * RATE_STEPS)
+        if step / RATE_STEPS < ev.option.rate:
+            ev = self.evaluate(dataclasses.replace(ev.option, rate=step / RATE_STEPS))
+        return ev
+
+    def _writeback_per_elem(self, ev: Evaluation) -> float:
+        """Bytes copied back to the device per host-updated element (the parameters that live there)."""
+        work = [self.step_work(ev, i) for i in range(len(ev.stages))]
+        away = sum(w.host_elems + w.ssd_elems for w in work)
+        return sum(w.writeback_bytes for w in work) / away if away else 0.0
+
+    def step_work(self, ev: Evaluation, i: int) -> StepWork:
+        """Stage ``i``'s work per step on one rank, from its placement."""
+        st, plans = ev.stages[i], self.plans(ev.option.page)[i]
+        tiers, by = st.states.opt_tiers, st.states.by_kind_tier
+        elem = self.request.dtype.itemsize
+        steps = self.request.accumulation_steps
+        away = lambda kind: by.get((kind, HOST), 0) + by.get((kind, NVME), 0)  # noqa: E731
+        elems = {t: sum(p.shard for p in plans if tiers[p.index] == t) for t in TIERS}
+        resident_away = sum(p.shard for p in plans if p.resident and tiers[p.index] != DEVICE)
+        cfg = self.request.model
+        flops = 6 * st.numel * ev.option.micro_batch_size * cfg.seq_length * steps * (4 / 3 if ev.option.recompute
+                                                                                         else 1)
+        # Host-updated parameters go back to the device unless the parameter shards live on the host anyway
+        # (offload_param, then only resident chunks are written back).
+        writeback = (elems[HOST] + elems[NVME] if away("params") == 0 else resident_away) * elem
+        return StepWork(flops=flops, h2d_bytes=2 * steps * away("params"), d2h_bytes=steps * away("grads") / 4 * elem,
+                        writeback_bytes=writeback, device_elems=elems[DEVICE], host_elems=elems[HOST],
+                        ssd_elems=elems[NVME], ssd_bytes=2 * sum(n for (_, t), n in by.items() if t == NVME))
+
+    def breakdown(self, ev: Evaluation) -> StepBreakdown | None:
+        """The predicted step of the slowest pipeline stage (None without an accelerator's speeds)."""
+        if self.request.speeds is None or self.cpu:
+            return None
+        return max((predict(self.step_work(ev, i), self.request.speeds) for i in range(len(ev.stages))),
+                   key=lambda b: b.step_s)
+
+    def largest_rate(self, option: Option) -> Evaluation:
         """The largest prefetch_cache_sub_group_rate (share of sub-groups on the device) that fits."""
         if option.offload == "none":
             return self.evaluate(option)
@@ -530,6 +578,7 @@ class Plan:
     fits: bool
     chosen: Evaluation  # the chosen option (or the leanest one when nothing fits)
     num_parameters: int
+    step: StepBreakdown | None = None  # predicted step with the request's speeds (accelerator only)
     largest_layers: int | None = None  # largest num_layers of this family that fits (None: not computed)
     largest_parameters: int | None = None
     largest_size: str | None = None  # largest start.sh size that fits (computed when the request does not)
@@ -611,7 +660,7 @@ def plan(request: Request, largest: int | None = None) -> Plan:
     """Plan ``request``; when it does not fit, also find the largest of its family (``largest``: known)."""
     planner = Planner(request)
     chosen = planner.search()
-    result = Plan(request, chosen.fits, chosen, request.model.num_parameters())
+    result = Plan(request, chosen.fits, chosen, request.model.num_parameters(), planner.breakdown(chosen))
     if largest is not None or not chosen.fits:
         layers = largest if largest is not None else largest_layers(request)
         result.largest_layers = layers

@@ -153,8 +153,22 @@ class _Exchange:
 _TAG_ALL_GATHER, _TAG_REDUCE_SCATTER = 0x2A01, 0x2A02
 
 
+class _AfterLocal:
+    """No peer: the "collective" is a local copy, done once the compute stream waited for ``after``."""
+
+    def __init__(self, streams, after, local):
+        self._streams, self._after, self._local = streams, after, local
+
+    def wait(self) -> None:
+        if self._local is not None:
+            self._streams.wait(self._after)
+            self._local()
+            self._local = None
+
+
 class Comm:
-    def __init__(self, group, profiler: CommProfiler, p2p_on_gloo: bool = True):
+    def __init__(self, group, profiler: CommProfiler, p2p_on_gloo: bool = True, streams=None):
+        self.streams = streams  # copy streams: collectives with ``after`` are ordered after a copy (streams.py)
         self.group = group
         self.profiler = profiler
         self.active = dist.is_available() and dist.is_initialized()
@@ -193,24 +207,33 @@ class Comm:
                 out.add_(t.view_as(out))
         return self._exchange({r: pieces[r] for r in peers}, recvs, _TAG_REDUCE_SCATTER, finish)
 
-    def _run(self, kind: str, tag: str, nbytes: int, collective, local, async_op: bool) -> Handle:
-        """Profile and run ``collective`` (async) over the group, or ``local`` when there is no peer."""
+    def _run(self, kind: str, tag: str, nbytes: int, collective, local, async_op: bool, after=None) -> Handle:
+        """Profile and run ``collective`` (async) over the group, or ``local`` when there is no peer.
+
+        ``after`` (a streams.Event): the collective reads memory a copy is writing; it is issued ordered after
+        that copy, not after the compute stream (``Streams.issue_after``)."""
         if not self.active:
-            local()
-            return Handle(None, None)
-        ev = self.profiler.issue(kind, tag, nbytes)
-        h = Handle(collective(), ev)
+            if after is None:
+                local()
+                return Handle(None, None)
+            h = _AfterLocal(self.streams, after, local)
+        else:
+            def start():
+                ev = self.profiler.issue(kind, tag, nbytes)
+                return Handle(collective(), ev)
+            h = start() if after is None else self.streams.issue_after(after, start, may_defer=self.p2p)
         if not async_op:
             h.wait()
         return h
 
-    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, tag: str = "", async_op: bool = False) -> Handle:
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, tag: str = "", async_op: bool = False,
+                   after=None) -> Handle:
         def local():
             if out.data_ptr() != shard.data_ptr():
                 out.copy_(shard)
         collective = (partial(self._p2p_all_gather, out, shard) if self.p2p and out.device.type == "cpu"
                       else partial(_ALL_GATHER, out, shard, group=self.group, async_op=True))
-        return self._run("all_gather", tag, out.numel() * out.element_size(), collective, local, async_op)
+        return self._run("all_gather", tag, out.numel() * out.element_size(), collective, local, async_op, after)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, tag: str = "", async_op: bool = False) -> Handle:
         def local():

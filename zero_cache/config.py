@@ -198,6 +198,24 @@ class MemoryBudgetConfig:
 
 
 @dataclass
+class EmulatedAcceleratorConfig:
+    """``zero_optimization.emulated_accelerator``: a CPU stand-in for an accelerator, so that the copy
+    scheduling a GPU needs runs (and can be caught racing) in CPU tests."""
+    enabled: bool = field(default=False, metadata=key(
+        "CPU compute only: the device tier becomes a separate memory (its budget memory_budget.device) that host "
+        "shards reach only through copies on two emulated copy streams (host to device, device to host), run on "
+        "worker threads at the bandwidths below; a copy's destination holds NaN until it lands, so a missing "
+        "wait gives wrong numbers. The same code path schedules torch.cuda streams on a GPU."))
+    h2d_gbps: float = field(default=16.0, metadata=key(
+        "Emulated host-to-device copy bandwidth, GB/s (1e9 bytes per second).", lo=1e-6))
+    d2h_gbps: float = field(default=16.0, metadata=key(
+        "Emulated device-to-host copy bandwidth, GB/s.", lo=1e-6))
+    random_delay_ms: float = field(default=0.0, metadata=key(
+        "Each emulated copy also waits a uniformly random 0..random_delay_ms milliseconds (a different stream of "
+        "random numbers per rank), so copies land at varying points of the compute.", lo=0.0))
+
+
+@dataclass
 class ZeroOptimizationConfig:
     """``zero_optimization``: the ZeRO stage, chunking, prefetch, offload and memory budgets."""
     stage: int = field(default=3, metadata=key(
@@ -273,6 +291,15 @@ class ZeroOptimizationConfig:
     memory_budget: MemoryBudgetConfig = field(default_factory=MemoryBudgetConfig, metadata=key(
         "Bytes of model state this process may keep per tier; placement moves states down the tiers to fit, "
         "and a placement that cannot fit is an error naming bytes and budget."))
+    emulated_accelerator: EmulatedAcceleratorConfig = field(default_factory=EmulatedAcceleratorConfig, metadata=key(
+        "An emulated accelerator for CPU runs: separate device memory reached by bandwidth-limited asynchronous "
+        "copies."))
+    speculative_update: bool = field(default=False, metadata=key(
+        "With an accelerator (or the emulated one) and offload_optimizer cpu: host sub-groups whose gradients "
+        "are final are updated during the last backward of the step, assuming neither clipping nor overflow; "
+        "the step checks the global norm and restores and redoes them (clipping) or restores them (overflow). "
+        "Exact; costs a copy of master and Adam moments (12 B/element) per speculated sub-group, within "
+        "memory_budget.host (sub-groups beyond it are not speculated). Not with lock_free_update or fp16."))
     lock_free_update: bool = field(default=False, metadata=key(
         "Delayed update: step t's optimizer update runs on a background thread while step t+1 computes and is "
         "published at step t+1's step (parameters one step stale). Costs a spare gradient shard and a pending "
@@ -480,6 +507,20 @@ def _lock_free_needs_offload(cfg: ZeroCacheConfig) -> None:
                               "'cpu' or 'nvme'")
 
 
+def _speculation_needs_unit_scale(cfg: ZeroCacheConfig) -> None:
+    """``zero_optimization.speculative_update`` excludes ``zero_optimization.lock_free_update`` (whose update
+    runs a step late) and ``fp16.enabled`` (the fused kernel unscales gradients in place, so a redo with
+    another scale would not be exact)."""
+    z = cfg.zero_optimization
+    if z.speculative_update and z.lock_free_update:
+        raise ZeroConfigError("zero_cache config: 'zero_optimization.speculative_update' and "
+                              "'zero_optimization.lock_free_update' exclude each other; enable at most one")
+    if z.speculative_update and cfg.fp16.enabled:
+        raise ZeroConfigError("zero_cache config: 'zero_optimization.speculative_update' needs a loss scale of 1 "
+                              "(fp32 or bf16); fp16's scaled gradients are unscaled in place by the update, so "
+                              "a redo would not be exact: disable one of them")
+
+
 def _betas_below_one(cfg: ZeroCacheConfig) -> None:
     """Both ``optimizer.params.betas`` are in [0, 1)."""
     b1, b2 = cfg.optimizer.params.betas
@@ -489,7 +530,7 @@ def _betas_below_one(cfg: ZeroCacheConfig) -> None:
 
 # Cross-key rules, checked in this order on every parsed or built config; each docstring is its documentation.
 _RULES = (_one_precision, _param_offload_needs_stage3, _fp32_master_follows_optimizer, _one_nvme_path,
-          _lock_free_needs_offload, _betas_below_one)
+          _lock_free_needs_offload, _speculation_needs_unit_scale, _betas_below_one)
 
 
 def _validate(cfg: ZeroCacheConfig) -> None:

@@ -19,6 +19,14 @@ buffer (released when the gather completes). Read-ahead: while prefetching, the 
 the next window (another ``stage3_prefetch_bucket_size`` elements beyond the gathers in flight) are
 started, so by the time a chunk's gather is issued its shard is in memory.
 
+Copies (streams.py): with an accelerator (or the emulated one), a shard that lives in host memory (or was
+just read from SSD) is copied into the rank's own piece of the chunk's full buffer on the host-to-device
+stream, after a compute event (the buffer may be a block compute just used), and the all-gather runs in
+place, issued after that copy's event and not after the compute stream. So a prefetch's copy and gather
+both overlap the current module's compute. Every all-gather of the coordinator is issued through the
+streams then (``after``), so all of them keep one order on every rank. An SSD staging buffer goes back to
+its pool when the copy no longer reads it (``source_free``); pending ones are polled at every fetch.
+
 Arena (``max_contigous_params_size`` > 0): gathered chunks are regions of one preallocated buffer
 (``param_arena.py``), and they stay there after use as a cache, valid until the parameters change (the end of
 the step). A gather that does not fit evicts idle chunks by the trace, the one requested furthest in the future
@@ -39,7 +47,8 @@ from .comm import Comm, Handle
 from .config import ZeroOptimizationConfig
 from .param_arena import ParamArena
 from .partition import FlatChunk
-from .store import ShardStore
+from .store import DEVICE, ShardStore
+from .streams import HostStreams, Streams
 
 
 def in_backward() -> bool:
@@ -59,9 +68,18 @@ def _tensors(obj):
 
 class ParamCoordinator:
     def __init__(self, chunks: list[FlatChunk], comm: Comm, zcfg: ZeroOptimizationConfig,
-                 on_backward_activity: Callable[[], None], store: ShardStore | None = None):
+                 on_backward_activity: Callable[[], None], store: ShardStore | None = None,
+                 streams: Streams | None = None):
         self.chunks = chunks
         self.store = store
+        self.streams = streams or HostStreams()
+        # Partitioned chunks whose shard is in host memory (or SSD): gathers copy it to the device first.
+        self.host_param = [self.streams.separate and not c.plan.resident
+                           and ("param" in c.swapped or store.tier_of(c.state_key("param")) != DEVICE)
+                           for c in chunks]
+        self._releases: list = []  # (event, staging buffer): SSD buffers a copy still reads
+        self._copies: dict[int, object] = {}  # chunk -> done event of the copy into its full buffer
+        self.on_issue: Callable[[int], None] | None = None  # told before a chunk's shard is read
         self.ssd_reads: dict[int, object] = {}  # chunk -> SwapHandle of its parameter shard being read
         self.staged: dict[int, torch.Tensor] = {}  # chunk -> shard buffer an in-flight gather reads
         self.params_on_ssd = any("param" in c.swapped for c in chunks)
@@ -149,6 +167,8 @@ class ParamCoordinator:
     # ---- gather / release -------------------------------------------------------------------------------
     def fetch(self, ids: list[int]) -> None:
         """Make ``ids`` available: issue what is missing, prefetch ahead by trace, then wait."""
+        if self._releases:
+            self._poll_releases()
         for c in ids:
             self._record(c)
             if not self.chunks[c].gathered and c not in self.inflight:
@@ -182,18 +202,50 @@ class ParamCoordinator:
             chunk.allocate_full()
         elif not self._make_room(c, at):
             return False
+        if self.on_issue is not None:
+            self.on_issue(c)
         src = chunk.param_shard
         if "param" in chunk.swapped:
             self._read_ahead(c, optional=False)
             (src,) = self.ssd_reads.pop(c).wait()
             self.staged[c] = src
-        if src.device != chunk.full.device:
-            src = src.to(chunk.full.device, non_blocking=True)
-        self.inflight[c] = self.comm.all_gather(chunk.full, src, tag=f"chunk{c}", async_op=True)
+        if self.host_param[c]:
+            piece = chunk.shard_of_full()
+            copy = self.streams.h2d(piece, src, after=(self.streams.compute_event(),))
+            self._copies[c] = copy.done
+            if c in self.staged:
+                self._release_after(self.staged.pop(c), copy.source_free)
+            self.inflight[c] = self.comm.all_gather(chunk.full, piece, tag=f"chunk{c}", async_op=True,
+                                                    after=copy.done)
+        else:
+            if src.device != chunk.full.device:
+                src = src.to(chunk.full.device, non_blocking=True)
+            # Issued through the streams as the copied chunks are (one order on every rank), after the compute
+            # stream: the shard was written, and the buffer may have been used, by kernels queued before.
+            after = self.streams.compute_event() if self.streams.separate else None
+            self.inflight[c] = self.comm.all_gather(chunk.full, src, tag=f"chunk{c}", async_op=True, after=after)
         self.live_numel += chunk.plan.padded
         self.gathered_bytes += chunk.full_nbytes()
         self.gathered_peak = max(self.gathered_peak, self.gathered_bytes)
         return True
+
+    def _release_after(self, buf: torch.Tensor, event) -> None:
+        """Give an SSD staging buffer back once ``event`` (its copy no longer reads it) is done."""
+        if event.query():
+            self.store.release([buf])
+        else:
+            self._releases.append((event, buf))
+
+    def _poll_releases(self, wait: bool = False) -> None:
+        keep = []
+        for event, buf in self._releases:
+            if wait:
+                self.streams.synchronize(event)
+            if event.query():
+                self.store.release([buf])
+            else:
+                keep.append((event, buf))
+        self._releases = keep
 
     def _make_room(self, c: int, at: int | None) -> bool:
         """Place chunk ``c`` in the arena, evicting by the trace. A demand fetch whose chunks in use fill the
@@ -265,6 +317,9 @@ class ParamCoordinator:
 
     def _free(self, c: int) -> None:
         chunk = self.chunks[c]
+        landed = self._copies.pop(c, None)
+        if landed is not None:  # memory is given back only once the copy into it is done
+            self.streams.before_free(landed)
         if self.arena is not None:
             self.arena.remove(chunk)
             chunk.gathered = False
@@ -285,6 +340,7 @@ class ParamCoordinator:
             self._wait(c)
         for c in list(self.ssd_reads):  # read ahead for a step that went another way
             self.store.release(self.ssd_reads.pop(c).wait())
+        self._poll_releases(wait=True)
         self.users = [0] * len(self.chunks)
         self.pinned.clear()
         for c, chunk in enumerate(self.chunks):

@@ -30,13 +30,16 @@ from .comm_theory import zero_step_theory
 from .config import ZeroCacheConfig, ZeroConfigError, parse_config
 from .coordinator import ParamCoordinator
 from .grad_reducer import GradReducer
+from .host_lane import HostLane
 from .host_memory import return_large_frees_to_os
 from .loss_scaler import LossScaler
 from .optimizer import GroupHParams, ShardedAdam
 from .partition import ChunkPlan, FlatChunk, plan_chunks, plan_sub_groups
-from .placement import machine_budgets, place_states
+from .placement import copy_staging_units, machine_budgets, place_states
+from .speculation import Speculation, SpeculationStats
 from .ssd_store import SSDStore
 from .store import HOST, NVME, DeviceHostStore, MemoryReport, ShardStore
+from .streams import CopyStats, make_streams
 
 logger = logging.getLogger(__name__)
 
@@ -85,14 +88,21 @@ class ZeroEngine:
         self.budgets = machine_budgets(cfg, self.device)
         placed = place_states(self.plans, self.sub_groups, cfg, self.dtype, self.device, self.budgets)
         tiers = placed.opt_tiers
+        # Host <-> device copies go through copy streams (CUDA, or the emulated accelerator on CPU).
+        self.streams = make_streams(cfg, self.device, _global_rank())
+        self.streams.configure_staging(*copy_staging_units(self.plans, placed.layouts, cfg, self.device))
+        self.comm.streams = self.streams
         pin = z.offload_param.pin_memory or z.offload_optimizer.pin_memory
+        pinner = self.streams.pin if self.streams.separate else None
         params_on_ssd = z.offload_param.device == "nvme" and z.stage == 3
         if store is None and (NVME in tiers or params_on_ssd):
             path = z.offload_optimizer.nvme_path if NVME in tiers else z.offload_param.nvme_path
             store = SSDStore(self.device, path, cfg.aio, rank=_global_rank(), pin_host=pin,
                              budgets=self.budgets, staging_bytes=placed.opt_staging,
-                             param_staging_bytes=placed.param_staging)
-        self.store = store or DeviceHostStore(self.device, pin_host=pin, budgets=self.budgets)
+                             param_staging_bytes=placed.param_staging, pin=pinner,
+                             copy_staging=placed.copy_staging)
+        self.store = store or DeviceHostStore(self.device, pin_host=pin, budgets=self.budgets, pin=pinner,
+                                              copy_staging=placed.copy_staging)
         with torch.no_grad():
             self.chunks: list[FlatChunk] = [build_chunk(p, tiers[p.index], self.store, self.comm, cfg, self.dtype,
                                                         self.device, param_init, p.index in placed.grad_on_ssd)
@@ -100,19 +110,40 @@ class ZeroEngine:
         chunk_of = {id(s.param): c.index for c in self.chunks for s in c.plan.slots}
         self._callback_task = None
         self._backward_passes = 0  # this step's (the micro-batches actually run, for the comm theory)
+        # The host's share of the work (gradients landing, host sub-groups) runs beside the device's.
+        self.lane = HostLane(self.streams.meter) if placed.copy_staging else None
         self.coordinator = None
         if any(not c.plan.resident for c in self.chunks):
-            self.coordinator = ParamCoordinator(self.chunks, self.comm, z, self._on_backward_activity, self.store)
+            self.coordinator = ParamCoordinator(self.chunks, self.comm, z, self._on_backward_activity, self.store,
+                                                self.streams)
             self.coordinator.register_model(model)
+        self.optimizer = ShardedAdam(self.chunks, self.sub_groups, self.groups, lr=hp.lr, betas=hp.betas,
+                                     eps=hp.eps, decoupled=cfg.optimizer.type == "AdamW",
+                                     pipeline=z.pipeline_optimizer, store=self.store, streams=self.streams,
+                                     lane=self.lane)
+        tied_chunks = {chunk_of[id(p)] for p, _ in tied}
+        self.speculation = None
+        if z.speculative_update and self.lane is not None:
+            eligible = [all(self.chunks[i].opt_tier == HOST and not self.chunks[i].swapped and i not in tied_chunks
+                            for i in sg) for sg in self.sub_groups]
+            self.speculation = Speculation(self.optimizer, self.chunks, self.sub_groups, eligible, self.store,
+                                           self.lane)
+            if self.coordinator is not None:
+                self.coordinator.on_issue = self.speculation.revoke
+        elif z.speculative_update:
+            logger.warning("zero_cache: speculative_update acts only with an accelerator (or the emulated one) and "
+                           "optimizer states in host memory; it has no effect here")
         self.reducer = GradReducer(
             self.chunks, self.comm, self.store, mode="full" if z.stage == 1 else "shard",
             max_events=z.max_param_reduce_events, tied_groups={chunk_of[id(p)]: g for p, g in tied},
             on_backward_activity=self._on_backward_activity,
             on_chunk_done=self.coordinator.chunk_done if self.coordinator else None,
-            norm_ranges=_norm_ranges(self.chunks, param_in_grad_norm))
-        self.optimizer = ShardedAdam(self.chunks, self.sub_groups, self.groups, lr=hp.lr, betas=hp.betas,
-                                     eps=hp.eps, decoupled=cfg.optimizer.type == "AdamW",
-                                     pipeline=z.pipeline_optimizer, store=self.store)
+            norm_ranges=_norm_ranges(self.chunks, param_in_grad_norm), streams=self.streams, lane=self.lane,
+            on_final=self.speculation.chunk_final if self.speculation else None,
+            on_change=self.speculation.chunk_changing if self.speculation else None,
+            on_final_sent=self.speculation.final_sent if self.speculation else None)
+        self.last_copy_stats: CopyStats | None = None
+        self.last_speculation: SpeculationStats | None = None
         self.scaler = LossScaler(cfg.fp16)
         self.global_steps = 0
         # Lock-free update: the optimizer step of step t runs here while step t+1 computes.
@@ -156,6 +187,8 @@ class ZeroEngine:
         task = torch._C._current_graph_task_id()
         if task != self._callback_task:
             self._callback_task = task
+            # Gradients are final in the pass the step expects to be its last (statistics, speculation).
+            self.reducer.final_pass = self._backward_passes + 1 >= self.gradient_accumulation_steps
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             if self._update_thread is None:
                 self.optimizer.start_read_ahead(during_backward=True)  # SSD states load under the backward
@@ -181,11 +214,14 @@ class ZeroEngine:
         sq, overflow = self._global_norm_sq_and_overflow()
         grad_norm = math.sqrt(sq) / scale if not overflow else float("inf")
         refreshes = 0  # all-gathers of the resident chunks below, for the communication theory
+        clip = self.config.gradient_clipping
+        coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 and not overflow else 1.0
+        # Speculative updates stand only if the step would have run the same kernel on the same values.
+        accepted = (self.speculation.settle(not overflow and coef == 1.0, self.optimizer.lr) if self.speculation
+                    else frozenset())
         if not overflow:
-            clip = self.config.gradient_clipping
-            coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
             if self._update_thread is None:
-                self.optimizer.step(grad_scale=scale / coef)
+                self.optimizer.step(grad_scale=scale / coef, skip=accepted)
                 self.params_changed()
                 refreshes = 1
             else:
@@ -210,9 +246,13 @@ class ZeroEngine:
                 logger.info("zero_cache comm step %d: %s", self.global_steps, comm.line())
                 self.profiler.events.clear()  # the ordered trace spans one print interval
         self._backward_passes = 0
+        self.last_copy_stats = self.streams.take_stats() if self.streams.separate else None
+        self.last_speculation = self.speculation.take_stats() if self.speculation else None
         if self.global_steps % self.config.steps_per_print == 0 and not overflow:
             swap = f"{self.optimizer.last_swap}; " if self.optimizer.last_swap is not None else ""
-            logger.info("zero_cache step %d: %s%s", self.global_steps, swap, self.memory_report())
+            copies = f"{self.last_copy_stats}; " if self.last_copy_stats is not None else ""
+            spec = f"{self.last_speculation}; " if self.last_speculation is not None else ""
+            logger.info("zero_cache step %d: %s%s%s%s", self.global_steps, swap, copies, spec, self.memory_report())
         return StepResult(grad_norm, overflow, scale, self.optimizer.lr)
 
     def _global_norm_sq_and_overflow(self) -> tuple[float, bool]:
@@ -228,6 +268,7 @@ class ZeroEngine:
         """The parameter shards changed (update, lock-free publish, checkpoint load): gathered copies of
         partitioned chunks are stale and dropped (the arena caches them); every rank updated its slice of the
         resident chunks, which are all-gathered back into their full buffers."""
+        self.optimizer.wait_write_back()  # the compute stream waits for the parameters copied to the device
         if self.coordinator is not None:
             self.coordinator.drop_gathered()
         handles = [self.comm.all_gather(c.full, c.shard_of_full(), tag=f"chunk{c.index}", async_op=True)
@@ -256,7 +297,15 @@ class ZeroEngine:
             report.param_staging_peak = self.store.param_pool.peak_held
             report.peak_by_tier[HOST] = (report.peak_by_tier.get(HOST, 0) + pool.peak_held
                                          + self.store.param_pool.peak_held)
+        report.copy_staging = self.streams.staging_bytes  # the pools only grow: held now = peak
+        if report.copy_staging:
+            report.peak_by_tier[HOST] = report.peak_by_tier.get(HOST, 0) + report.copy_staging
         return report
+
+    def copy_stats(self) -> CopyStats | None:
+        """The last step's host <-> device copies: bytes, copy time issued, and the part that blocked compute
+        (None without an accelerator or the emulated one)."""
+        return self.last_copy_stats
 
     def swap_stats(self):
         """SSD traffic and measured overlap of the last optimizer step (None without SSD-tier states)."""
@@ -323,6 +372,9 @@ class ZeroEngine:
         self.publish_update()
         if self._update_thread is not None:
             self._update_thread.shutdown(wait=True)
+        if self.lane is not None:
+            self.lane.close()
+        self.streams.close()
         self.store.close()
 
     def gather_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:

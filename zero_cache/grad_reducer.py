@@ -16,6 +16,17 @@ The end of every backward pass (an autograd final callback) flushes chunks with 
 gradients (unused parameters), waits for the in-flight reductions and lets the coordinator release
 gathered chunks. Every backward pass is self-contained, so 1F1B interleaving of micro-batches is fine.
 
+With an accelerator (or the emulated one) a gradient shard that lives in host memory (or on SSD) leaves the
+device as soon as its reduce-scatter completes: the result is copied on the device-to-host stream into a
+pinned staging buffer while the backward of earlier layers goes on, and the host lane (host_lane.py)
+accumulates it into the host shard once the copy's event is done, then hands the buffer back. Host-side
+gradient work (accumulation, SSD reads and writes of gradient shards) runs on the host lane only, in order.
+
+Norm statistics are taken as the shards become final: in the pass the engine expects to be the step's last
+(``final_pass``), right after a chunk's last accumulation (on the device, or on the host lane), so when the
+backward ends only the update is left. Any later change to a shard (another pass, the tied all-reduce, the
+zeroing of shards without gradients) drops its statistics, which the step then computes.
+
 A step's first reduction of a chunk overwrites its gradient shard (so no pass zeroes the shards between
 steps); a shard that got no gradient in a step is zeroed before the step.
 
@@ -34,8 +45,10 @@ import torch
 from torch import nn
 
 from .comm import Comm, group_all_reduce
+from .host_lane import HostLane
 from .partition import FlatChunk, ParamSlot
 from .store import DEVICE, ShardStore
+from .streams import HostStreams, Streams
 
 NormRanges = Sequence[tuple[int, int]] | None  # shard ranges counted in the global norm (None: all)
 
@@ -58,7 +71,10 @@ def norm_stats(grad: torch.Tensor, ranges: NormRanges) -> torch.Tensor:
 class GradReducer:
     def __init__(self, chunks: list[FlatChunk], comm: Comm, store: ShardStore, *, mode: str, max_events: int,
                  tied_groups: dict[int, object], on_backward_activity: Callable[[], None],
-                 on_chunk_done: Callable[[int], None] | None, norm_ranges: list[NormRanges]):
+                 on_chunk_done: Callable[[int], None] | None, norm_ranges: list[NormRanges],
+                 streams: Streams | None = None, lane: HostLane | None = None,
+                 on_final: Callable[[int], None] | None = None, on_change: Callable[[int], None] | None = None,
+                 on_final_sent: Callable[[int], None] | None = None):
         if mode not in ("shard", "full"):
             raise ValueError(f"gradient accumulation mode must be 'shard' or 'full', got {mode!r}")
         self.chunks = chunks
@@ -79,6 +95,18 @@ class GradReducer:
         self.ssd_stats: dict[int, torch.Tensor] = {}  # SSD shard -> norm_stats of its accumulated value
         self.ssd_writes: deque = deque()
         self.pending: deque = deque()
+        self.streams = streams or HostStreams()
+        self.lane = lane
+        # Gradient shards outside device memory: reduce-scatter results travel to them on the D2H stream.
+        self.to_host = [self.streams.separate and (self.on_ssd[i] or store.tier_of(c.state_key("grad")) != DEVICE)
+                        for i, c in enumerate(chunks)]
+        if any(self.to_host) and lane is None:
+            raise ValueError("gradient shards in host memory behind an accelerator need a host lane")
+        self.final_pass = False  # the engine expects the running backward pass to be the step's last
+        self.stats: list[torch.Tensor | None] = [None] * len(chunks)  # norm_stats of final shards
+        self.on_final = on_final  # chunk c's gradient shard is final (called where it was accumulated)
+        self.on_change = on_change  # chunk c's shard is about to change again (host lane, before the change)
+        self.on_final_sent = on_final_sent  # chunk c's final result was sent to the host lane (training thread)
         # Chunk gradient buffers whose reduction finished, reused by the next chunks of the same size:
         # fresh allocations of this size are mmapped and page-faulted in on every backward. Dropped before
         # the optimizer step, so they never outlive the backward passes.
@@ -135,7 +163,7 @@ class GradReducer:
                 buf[s.offset:s.offset + s.numel].zero_()
         chunk = self.chunks[c]
         # The step's first fp32 result on the device tier is reduced straight into the gradient shard.
-        direct = (self.fresh[c] and not self.on_ssd[c] and buf.dtype == torch.float32
+        direct = (self.fresh[c] and not self.to_host[c] and not self.on_ssd[c] and buf.dtype == torch.float32
                   and buf.device == chunk.grad.device)
         if direct:
             out, self.fresh[c] = chunk.grad, False
@@ -151,25 +179,62 @@ class GradReducer:
         handle.wait()
         if len(self.spare) < max(1, self.max_events):  # no more than the reductions in flight held before
             self.spare.append(buf)
+        final = self.final_pass
         if direct:
             out.mul_(1.0 / self.comm.size)
+            self._shard_final(c, final)
+        elif self.to_host[c]:
+            self._send_to_host(c, out, final)
         else:
-            self._accumulate(c, out, 1.0 / self.comm.size)
+            self._accumulate(c, out, 1.0 / self.comm.size, self._take_fresh(c))
+            self._shard_final(c, final)
 
-    def _accumulate(self, c: int, value: torch.Tensor, scale: float) -> None:
-        """Add ``value * scale`` into chunk ``c``'s fp32 gradient shard, wherever it lives."""
+    def _take_fresh(self, c: int) -> bool:
+        """Whether this is the step's first result of chunk ``c`` (it overwrites the shard)."""
+        first, self.fresh[c] = self.fresh[c], False
+        return first
+
+    def _shard_final(self, c: int, final: bool) -> None:
+        """Chunk ``c``'s shard was just accumulated; in the final pass its statistics are taken now."""
+        if not final:
+            self.stats[c] = None
+            return
+        if not self.on_ssd[c]:
+            self.stats[c] = norm_stats(self.chunks[c].grad, self.norm_ranges[c])
+        if self.on_final is not None:
+            self.on_final(c)
+
+    def _send_to_host(self, c: int, out: torch.Tensor, final: bool) -> None:
+        """The reduce-scatter result leaves the device now (D2H stream); the host lane accumulates it."""
+        staged, landed = self.streams.d2h_staged(out, after=(self.streams.compute_event(),))
+        if final and self.on_final_sent is not None:
+            self.on_final_sent(c)
+        self.lane.submit(self._land, c, staged, landed, out, self._take_fresh(c), final)
+
+    def _land(self, c: int, staged: torch.Tensor, landed, out: torch.Tensor, first: bool, final: bool) -> None:
+        """Host lane: once the copy is done, add the result into the host (or SSD) shard."""
+        self.streams.synchronize(landed)
+        del out  # the copy has read it: the device block may be reused
+        if self.on_change is not None:
+            self.on_change(c)
+        self._accumulate(c, staged, 1.0 / self.comm.size, first)
+        self.streams.release(staged)
+        self._shard_final(c, final)
+
+    def _accumulate(self, c: int, value: torch.Tensor, scale: float, first: bool) -> None:
+        """Add ``value * scale`` into chunk ``c``'s fp32 gradient shard, wherever it lives (``first``: the step's
+        first result overwrites it, so no pass zeroes the shards)."""
         chunk = self.chunks[c]
-        if not self.on_ssd[c]:  # the step's first result overwrites: no zeroing pass over the shards
+        if not self.on_ssd[c]:
             value = value.to(device=chunk.grad.device, dtype=torch.float32)
-            if self.fresh[c]:
+            if first:
                 torch.mul(value, scale, out=chunk.grad)
-                self.fresh[c] = False
             else:
                 chunk.grad.add_(value, alpha=scale)
             return
         key = chunk.state_key("grad")
         value = value.to(device="cpu", dtype=torch.float32)
-        if self.fresh[c]:
+        if first:
             (grad,) = self.store.staging([key])
             torch.mul(value, scale, out=grad)
         else:
@@ -195,23 +260,37 @@ class GradReducer:
                 self._reduce(c)
         while self.pending:
             self._finish()
-        self._drain_ssd_writes()  # a later micro-batch may read these shards back
+        if self.lane is not None:  # host-side gradient work stays on the lane, in order
+            self.lane.submit(self._drain_ssd_writes)
+        else:
+            self._drain_ssd_writes()  # a later micro-batch may read these shards back
         self.fired = [0] * len(self.chunks)
+
+    def drain(self) -> None:
+        """Wait until every gradient sent to the host has landed in its shard."""
+        if self.lane is not None:
+            self.lane.drain()
 
     def end_step(self) -> None:
         """Before the optimizer step: finish this step's reduction and sum tied gradients across groups."""
         self.end_backward()
+        self.drain()
         self.spare.clear()
         if self.mode == "full":
             for c in sorted(self.buffers):
                 buf = self.buffers[c]
                 out = torch.empty(self.chunks[c].plan.shard, dtype=torch.float32, device=buf.device)
                 self.comm.reduce_scatter(out, buf, tag=f"chunk{c}")
-                self._accumulate(c, out, 1.0 / self.comm.size)
+                if self.to_host[c]:
+                    self._send_to_host(c, out, False)
+                else:
+                    self._accumulate(c, out, 1.0 / self.comm.size, self._take_fresh(c))
                 buf.zero_()
+            self.drain()
         for c in range(len(self.chunks)):  # shards without a gradient this step hold last step's values
             if not self.fresh[c]:
                 continue
+            self.stats[c] = None
             if self.on_ssd[c]:
                 (grad,) = self.store.staging([self.chunks[c].state_key("grad")])
                 self._write_ssd_grad(c, grad.zero_())
@@ -220,6 +299,7 @@ class GradReducer:
                 self.fresh[c] = False
         self._drain_ssd_writes()
         for c, group in self.tied_groups.items():
+            self.stats[c] = None
             if not self.on_ssd[c]:
                 group_all_reduce(self.chunks[c].grad, group, device=self.chunks[c].full.device)
                 continue
@@ -233,9 +313,12 @@ class GradReducer:
         """norm_stats of chunk ``c``'s accumulated gradient shard (SSD shards: taken when last written)."""
         if self.on_ssd[c]:
             return self.ssd_stats[c]
-        return norm_stats(self.chunks[c].grad, self.norm_ranges[c])
+        if self.stats[c] is None:
+            self.stats[c] = norm_stats(self.chunks[c].grad, self.norm_ranges[c])
+        return self.stats[c]
 
     def new_step(self) -> None:
         """The step consumed (or discarded) the gradients: the next step's first results overwrite them."""
         self.fresh = [True] * len(self.chunks)
         self.ssd_stats.clear()
+        self.stats = [None] * len(self.chunks)

@@ -5,7 +5,13 @@ elements; their tensors live in one tier, so each sub-group is a single ``torch.
 (the CPU kernel behind ``torch.optim.AdamW(fused=True)``). Unscaling and clipping are folded into the
 kernel's ``grad_scale``. With ``pipeline_optimizer`` the write-back of sub-group i (fp32 master ->
 compute-dtype parameter shard, possibly host -> device) runs on a worker thread while sub-group i+1
-is updated.
+is updated; a write-back to the device is an asynchronous copy on the host-to-device stream (streams.py)
+instead, overlapping the next sub-groups' updates.
+
+Heterogeneous pipeline: with an accelerator (or the emulated one) the sub-groups whose states live on the
+device (``prefetch_cache_sub_group_rate``) are updated by the device's fused Adam on the calling thread
+while the host lane (host_lane.py) updates the host sub-groups and streams the SSD ones through the
+pipeline below, concurrently; the planner picks the rate so both finish together.
 
 Sub-groups whose states live on the SSD tier are swapped in, updated and swapped out (a gradient shard
 on SSD is read with them and dropped). With
@@ -24,8 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .host_lane import HostLane
 from .partition import FlatChunk
-from .store import ShardStore
+from .store import DEVICE, ShardStore
+from .streams import DONE, HostStreams, Streams
 
 
 @dataclass
@@ -59,7 +67,7 @@ class SwapStats:
 class ShardedAdam:
     def __init__(self, chunks: list[FlatChunk], sub_groups: list[list[int]], groups: list[GroupHParams], *,
                  lr: float, betas: tuple[float, float], eps: float, decoupled: bool, pipeline: bool,
-                 store: ShardStore | None = None):
+                 store: ShardStore | None = None, streams: Streams | None = None, lane: HostLane | None = None):
         self.chunks = chunks
         self.sub_groups = sub_groups
         self.groups = groups
@@ -73,6 +81,17 @@ class ShardedAdam:
         self.last_swap: SwapStats | None = None
         self._early: dict = {}  # sub-group -> its read, started before the step (see start_read_ahead)
         self.grads_on_ssd = any("grad" in c.swapped for c in chunks)
+        self.streams = streams or HostStreams()
+        self.lane = lane  # with one, device and host sub-groups update concurrently
+        self.on_device = [not self.swapped[k] and all(chunks[i].opt_tier == DEVICE for i in sg)
+                          for k, sg in enumerate(sub_groups)]
+        # Chunks whose write-back is a host-to-device copy: the master is in host memory (or read from SSD),
+        # the compute-dtype parameter shard on the device.
+        self.crossing = {c.index: self.streams.separate and c.opt_tier != DEVICE and not c.master_is_param()
+                         and (c.plan.resident or store.tier_of(c.state_key("param")) == DEVICE) for c in chunks}
+        self._write_events: list = []
+        self._reading: dict[int, object] = {}  # chunk -> source_free of a write-back copy reading its master
+        self._after_compute: tuple = ()
 
     def _swap_keys(self, k: int) -> list[tuple[FlatChunk, str]]:
         return [(self.chunks[i], name) for i in self.sub_groups[k] for name in self.chunks[i].opt_swapped()]
@@ -111,25 +130,50 @@ class ShardedAdam:
             self.store.release(h.wait())
         self._early = {}
 
-    def step(self, grad_scale: float, delayed: bool = False) -> None:
+    def step(self, grad_scale: float, delayed: bool = False, skip: frozenset[int] = frozenset()) -> None:
         """One update of every shard; gradients are divided by ``grad_scale`` inside the kernel.
 
         ``delayed`` (lock-free update, run on a background thread): read ``grad_spare`` (no zeroing: the next
         step's first reductions overwrite it, see grad_reducer.py) and write the updated parameters to
-        ``pending`` instead of the parameter shards the next step reads."""
+        ``pending`` instead of the parameter shards the next step reads. ``skip``: sub-groups already updated
+        (an accepted speculation); only their write-back is left.
+
+        With a host lane, the device sub-groups are updated by the calling thread (the device's fused Adam)
+        while the lane updates the host sub-groups and streams the SSD ones through the pipeline."""
         aio = getattr(self.store, "aio", None) if any(c.swapped for c in self.chunks) else None
         if aio is not None and not self._early:
             aio.busy_seconds_and_reset()
+        self._after_compute = (self.streams.compute_event(),)  # backward kernels may still read resident chunks
+        todo = [k for k in range(len(self.sub_groups)) if k not in skip]
+        reads, self._early = self._early, {}
+        device = [k for k in todo if self.on_device[k]] if self.lane is not None and not delayed else []
+        host = [k for k in todo if k not in device]
+        if device and host:
+            lane = self.lane.submit(self._walk, host, grad_scale, delayed, reads)
+            try:
+                self._walk(device, grad_scale, delayed, {})
+            finally:
+                waited = lane.result()
+        else:
+            waited = self._walk(todo, grad_scale, delayed, reads)
+        for k in sorted(skip):
+            self._write_back([c for c in (self.chunks[i] for i in self.sub_groups[k]) if not c.master_is_param()])
+        if aio is not None:
+            io, r, w = aio.busy_seconds_and_reset()
+            self.last_swap = SwapStats(io, waited, r, w)
+
+    def _walk(self, ks: list[int], grad_scale: float, delayed: bool, reads: dict) -> float:
+        """Update sub-groups ``ks`` in order (SSD ones pipelined); returns the seconds blocked on SSD."""
         pool = ThreadPoolExecutor(max_workers=1) if self.pipeline else None
-        futures, reads, writes = [], self._early, []
-        self._early = {}
+        futures, writes = [], []
         waited = 0.0
-        n = len(self.sub_groups)
         try:
-            for k, sg in enumerate(self.sub_groups):
+            for idx, k in enumerate(ks):
+                sg = self.sub_groups[k]
                 if self.swapped[k]:
-                    for j in (k, k + 1) if self.pipeline else (k,):  # read-ahead of the next sub-group
-                        if j < n and self.swapped[j] and j not in reads:
+                    nxt = ks[idx + 1] if idx + 1 < len(ks) else None
+                    for j in (k, nxt) if self.pipeline else (k,):  # read-ahead of the next sub-group
+                        if j is not None and self.swapped[j] and j not in reads:
                             reads[j] = self._swap_in(j)
                     pairs, handle = reads.pop(k)
                     for (c, name), t in zip(pairs, handle.wait()):
@@ -148,7 +192,9 @@ class ShardedAdam:
                     for c in on_ssd:
                         self.store.put(c.state_key("param"), c.master)
                 if self.swapped[k]:
-                    _write_back(todo)  # before the master's staging buffer is handed back
+                    self._write_back(todo)
+                    for c in todo:  # the copy read the master's staging buffer before it goes back
+                        self.streams.synchronize(self._reading.pop(c.index, DONE))
                     # Gradient shards on SSD are consumed, not written back (the next step overwrites them).
                     dirty = [(c, name) for c, name in pairs if name != "grad"]
                     tensors = [_get(c, name) for c, name in dirty]
@@ -161,10 +207,10 @@ class ShardedAdam:
                         w.wait()
                         waited += w.waited
                 elif todo:
-                    if pool is None:
-                        _write_back(todo)
+                    if pool is None or any(self.crossing[c.index] for c in todo):
+                        self._write_back(todo)  # copies to the device are asynchronous already
                     else:
-                        futures.append(pool.submit(_write_back, todo))
+                        futures.append(pool.submit(self._write_back, todo))
             for w in writes:
                 w.wait()
                 waited += w.waited
@@ -178,11 +224,29 @@ class ShardedAdam:
                     self.store.release(h.wait())
             for w in writes:
                 _quiet_wait(w)
-        if aio is not None:
-            io, r, w = aio.busy_seconds_and_reset()
-            self.last_swap = SwapStats(io, waited, r, w)
+        return waited
+
+    def _write_back(self, chunks: list[FlatChunk]) -> None:
+        """fp32 master -> compute-dtype parameter shard; a shard on the device is reached by an asynchronous
+        copy, whose event ``wait_write_back`` hands to the compute stream."""
+        for c in chunks:
+            if self.crossing[c.index]:
+                copy = self.streams.h2d(c.param_shard, c.master, after=self._after_compute)
+                self._write_events.append(copy.done)
+                self._reading[c.index] = copy.source_free
+            else:
+                c.param_shard.copy_(c.master)
+
+    def wait_write_back(self) -> None:
+        """The compute stream waits for every write-back copy (before any parameter is read again)."""
+        events, self._write_events = self._write_events, []
+        for e in events:
+            self.streams.wait(e)
 
     def _update(self, cs: list[FlatChunk], grad_scale: float, delayed: bool = False) -> None:
+        for c in cs:  # a write-back copy reading this master directly (pinned) must have read it
+            if c.index in self._reading:
+                self.streams.synchronize(self._reading.pop(c.index))
         masters = [c.master for c in cs]
         steps = [c.step for c in cs]
         torch._foreach_add_(steps, 1.0)
@@ -210,11 +274,6 @@ def _set(chunk: FlatChunk, name: str, t: torch.Tensor | None) -> None:
         chunk.master = t
     else:
         setattr(chunk, name, t)
-
-
-def _write_back(chunks: list[FlatChunk]) -> None:
-    for c in chunks:
-        c.param_shard.copy_(c.master)
 
 
 def _quiet_wait(handle) -> bool:

@@ -31,6 +31,7 @@ from .aio import check_writable, nearest_existing_dir, round_up
 from .config import ZeroCacheConfig, ZeroConfigError
 from .partition import ChunkPlan
 from .store import DEVICE, HOST, NVME, TIERS
+from .streams import STAGING_BUFFERS, separate_memory
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ def chunk_layout(plan: ChunkPlan, opt_tier: str, cfg: ZeroCacheConfig, dtype: to
     gradient shard of an SSD sub-group is a page file too, see grad_reducer.py)."""
     fp32 = dtype == torch.float32
     on_ssd = opt_tier == NVME
-    cpu_compute = device.type == "cpu"
+    cpu_compute = not separate_memory(cfg, device)  # the host optimizer may update device-tier tensors in place
     if plan.resident:
         specs = [StateSpec("full", "params", DEVICE, plan.padded, dtype)]
         param_tier, param_on_cpu = DEVICE, cpu_compute
@@ -125,6 +126,36 @@ def param_staging_bytes(plans: list[ChunkPlan], layouts: list[list[StateSpec]], 
     return min(sum(shards), window + sum(shards[:2]))
 
 
+def copy_staging_units(plans: list[ChunkPlan], layouts: list[list[StateSpec]], cfg: ZeroCacheConfig,
+                       device: torch.device) -> tuple[int, int]:
+    """Bytes of one pinned staging buffer of host <-> device copies (streams.py) per direction, with an
+    accelerator or the emulated one (0: none): the largest transfer staged that way. Host to device: a
+    parameter shard in host memory or on SSD, or an fp32 master written back to a device parameter shard;
+    device to host: an fp32 gradient shard in host memory or on SSD."""
+    if not separate_memory(cfg, device):
+        return 0, 0
+    h2d = d2h = 0
+    for plan, layout in zip(plans, layouts):
+        tiers = {s.name: s for s in layout}
+        param = tiers.get("param")
+        if param is not None and param.tier != DEVICE:
+            h2d = max(h2d, param.nbytes)
+        master = tiers.get("master")
+        on_device = plan.resident or (param is not None and param.tier == DEVICE)
+        if master is not None and master.tier != DEVICE and on_device:
+            h2d = max(h2d, master.nbytes)
+        if tiers["grad"].tier != DEVICE:
+            d2h = max(d2h, 4 * plan.shard)
+    return round_up(h2d) if h2d else 0, round_up(d2h) if d2h else 0
+
+
+def copy_staging_bytes(plans: list[ChunkPlan], layouts: list[list[StateSpec]], cfg: ZeroCacheConfig,
+                       device: torch.device) -> int:
+    """Host bytes of the pinned staging pools: ``STAGING_BUFFERS`` buffers per direction."""
+    h2d, d2h = copy_staging_units(plans, layouts, cfg, device)
+    return STAGING_BUFFERS["h2d"] * h2d + STAGING_BUFFERS["d2h"] * d2h
+
+
 def tier_bytes(layouts: list[list[StateSpec]]) -> dict[str, int]:
     out = dict.fromkeys(TIERS, 0)
     for layout in layouts:
@@ -140,10 +171,11 @@ class Placement:
     layouts: list[list[StateSpec]]
     opt_staging: int  # host bytes reserved for the optimizer's (and gradients') SSD staging buffers
     param_staging: int  # host bytes reserved for parameter shards read from SSD for gathers
+    copy_staging: int = 0  # host bytes of the pinned staging pools of host <-> device copies
 
     @property
     def staging(self) -> int:
-        return self.opt_staging + self.param_staging
+        return self.opt_staging + self.param_staging + self.copy_staging
 
     @property
     def tier_bytes(self) -> dict[str, int]:
@@ -176,7 +208,7 @@ def place_states(plans: list[ChunkPlan], sub_groups: list[list[int]], cfg: ZeroC
                     grad_ssd.add(i)
         layouts = [chunk_layout(p, tiers[p.index], cfg, dtype, device, p.index in grad_ssd) for p in plans]
         return Placement(tiers, grad_ssd, layouts, staging_bytes(layouts, sub_groups, z.pipeline_optimizer),
-                         param_staging_bytes(plans, layouts, cfg))
+                         param_staging_bytes(plans, layouts, cfg), copy_staging_bytes(plans, layouts, cfg, device))
 
     def fits(pl: Placement) -> bool:
         return pl.tier_bytes[HOST] + pl.staging <= budgets[HOST]

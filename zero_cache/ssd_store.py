@@ -78,8 +78,8 @@ class SSDStore(DeviceHostStore):
 
     def __init__(self, device: torch.device, nvme_path: str, aio: AioConfig, rank: int = 0, pin_host: bool = False,
                  direct_io: bool = True, budgets: dict[str, int] | None = None, staging_bytes: int | None = None,
-                 param_staging_bytes: int | None = None):
-        super().__init__(device, pin_host, budgets)
+                 param_staging_bytes: int | None = None, pin=None, copy_staging: int = 0):
+        super().__init__(device, pin_host, budgets, pin=pin, copy_staging=copy_staging)
         self.directory = prepare_swap_dir(nvme_path, rank)
         self.aio = AioEngine(aio)
         self.pool = BufferPool(staging_bytes)  # optimizer sub-groups and gradient shards (bounded by the reserve)
@@ -219,7 +219,8 @@ class SSDStore(DeviceHostStore):
             pool.release(buf)
 
     def reserved(self, tier):
-        return (self.pool.limit or 0) + (self.param_pool.limit or 0) if tier == HOST else 0
+        ssd = (self.pool.limit or 0) + (self.param_pool.limit or 0) if tier == HOST else 0
+        return ssd + super().reserved(tier)
 
     def close(self) -> None:
         self._finalizer()

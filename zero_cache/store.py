@@ -33,6 +33,7 @@ class MemoryReport:
     swap_buffers_now: int = 0  # aligned host staging buffers of the SSD tier (in use), bytes
     swap_buffers_peak: int = 0
     param_staging_peak: int = 0  # host buffers of SSD parameter shards read for gathers (peak held)
+    copy_staging: int = 0  # pinned host staging of host <-> device copies (held; the pools never shrink)
     budget: dict[str, int] = field(default_factory=dict)  # bytes allowed per tier
     peak_by_tier: dict[str, int] = field(default_factory=dict)  # shards + peak staging buffers held (host)
 
@@ -156,9 +157,15 @@ class SwapHandle:
 class DeviceHostStore(ShardStore):
     """Two tiers: the compute device and host memory (pinned when the device is an accelerator)."""
 
-    def __init__(self, device: torch.device, pin_host: bool = False, budgets: dict[str, int] | None = None):
+    def __init__(self, device: torch.device, pin_host: bool = False, budgets: dict[str, int] | None = None,
+                 pin=None, copy_staging: int = 0):
         self.device = torch.device(device)
-        self.pin_host = pin_host and self.device.type != "cpu" and torch.cuda.is_available()
+        # pin(t): host memory a copy engine reads directly (streams.Streams.pin); None: never pinned
+        self.pin = pin if pin_host and pin is not None else None
+        if self.pin is None and pin_host and self.device.type != "cpu" and torch.cuda.is_available():
+            self.pin = torch.Tensor.pin_memory
+        self.pin_host = self.pin is not None
+        self.copy_staging = copy_staging  # host bytes of the pinned staging pools of host <-> device copies
         self.budgets = dict(budgets or {})
         self._tensors: dict[str, torch.Tensor] = {}
         self._meta: dict[str, tuple[str, str]] = {}
@@ -175,8 +182,13 @@ class DeviceHostStore(ShardStore):
         self._tier_bytes[tier] += nbytes
 
     def reserved(self, tier: str) -> int:
-        """Bytes of ``tier`` set aside outside the shards (the SSD tier's host staging buffers)."""
-        return 0
+        """Bytes of ``tier`` set aside outside the shards (pinned copy staging on the host)."""
+        return self.copy_staging if tier == HOST else 0
+
+    def room(self, tier: str) -> int | None:
+        """Bytes ``tier`` can still allocate under its budget (None: no budget)."""
+        limit = self.budgets.get(tier)
+        return None if limit is None else limit - self._tier_bytes[tier] - self.reserved(tier)
 
     def allocate(self, key, kind, tier, numel, dtype):
         if key in self._tensors:
@@ -187,8 +199,8 @@ class DeviceHostStore(ShardStore):
         self._charge(key, tier, numel * torch.empty((), dtype=dtype).element_size())
         dev = self.device if tier == DEVICE else torch.device("cpu")
         t = torch.zeros(numel, dtype=dtype, device=dev)
-        if tier == HOST and self.pin_host:
-            t = t.pin_memory()
+        if tier == HOST and self.pin is not None:
+            t = self.pin(t)
         self._tensors[key] = t
         self._meta[key] = (kind, tier)
         return t

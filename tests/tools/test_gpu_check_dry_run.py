@@ -1,5 +1,6 @@
-"""benchmarks/gpu_check.sh --dry-run: lists its three stages (with the flags that matter) and touches nothing;
-without OUT its files go to a new folder under benchmarks/logs/, which git ignores."""
+"""benchmarks/gpu_check.sh --dry-run: lists its four stages (with the flags that matter) and touches nothing;
+without OUT its files go to a new folder under benchmarks/logs/, which git ignores. The overlap stage's trace
+reading is checked in test_profile_overlap.py."""
 import os
 import re
 import subprocess
@@ -18,7 +19,7 @@ def _run(*args, env=None):
                           timeout=60, env={**base, **(env or {})})
 
 
-def test_dry_run_lists_the_three_stages(tmp_path):
+def test_dry_run_lists_the_four_stages(tmp_path):
     out = tmp_path / "out"
     proc = _run("--dry-run", env={"OUT": str(out)})
     assert proc.returncode == 0, proc.stderr
@@ -45,6 +46,10 @@ def test_dry_run_lists_the_three_stages(tmp_path):
         assert f"{flag} " in f"{planner[0]} ", flag
     assert lines.index(planner[0]) < lines.index(maxscale)  # the plan comes before the run that uses it
     assert f"$(cat {out}/maxscale.args) --train-iters 3 --deepspeed --deepspeed_config {out}/maxscale.json" in maxscale
+
+    overlap = [ln for ln in lines if "-m benchmarks.profile_overlap" in ln]
+    assert overlap == [f"python -m benchmarks.profile_overlap --out {out}/overlap"]
+    assert lines.index(dense) < lines.index(overlap[0]) < lines.index(planner[0])  # the last stage takes the rest
     assert not out.exists()  # a dry run runs nothing and writes nothing
 
 

@@ -86,7 +86,7 @@ def test_gitignore_keeps_the_logs_folder_out():
 
 
 @pytest.mark.parametrize("name", ["zero3_vs_peers", "max_scale", "bench_ssd", "bench_trainer", "bench_data",
-                                  "peer_workers.worker", "peer_workers.harness"])
+                                  "bench_overlap", "profile_overlap", "peer_workers.worker", "peer_workers.harness"])
 def test_benchmarks_import_as_modules_without_path_edits(name):
     before = list(sys.path)
     module = importlib.import_module(f"benchmarks.{name}")

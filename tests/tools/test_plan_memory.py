@@ -167,6 +167,30 @@ def test_gpu_node_offloads_only_what_does_not_fit(capsys):
     assert code == EXIT_FITS and small["option"]["offload"] == "none"
 
 
+GPU = ["--size", "6.7b", "--device", "cuda", "--device-memory-gib", "80", "--nproc-per-node", "8",
+       "--host-memory-gib", "1024", "--nvme-free-gib", "3000", "--bf16", "--offload", "cpu"]
+
+
+def test_gpu_rate_balances_the_device_and_host_optimizer_parts(capsys):
+    """Everything would fit on the device; the rate stops where the device's Adam and the host's take equal time."""
+    code, fast_device = _plan_json(GPU, capsys)
+    assert code == EXIT_FITS and fast_device["option"]["rate"] >= 0.97  # a 50x faster device takes almost all
+    code, plan = _plan_json(GPU + ["--host-adam-elems-per-s", "5e10"], capsys)  # host as fast as the device
+    assert code == EXIT_FITS and plan["option"]["rate"] == 0.5
+    step = plan["step_prediction"]
+    assert step["device_adam_s"] == pytest.approx(step["host_adam_s"], rel=0.05)  # they finish together
+    assert step["optimizer_s"] == max(step["device_adam_s"], step["host_lane_s"])
+    assert step["step_s"] == pytest.approx(step["forward_backward_s"] + step["optimizer_s"])
+    assert main(GPU + ["--gradient-accumulation-steps", "2"]) == EXIT_FITS
+    out = capsys.readouterr().out
+    assert "predicted step (2 micro-batch(es)" in out and "device Adam" in out and "host lane" in out
+
+
+def test_cpu_plans_have_no_step_prediction(capsys):
+    code, plan = _plan_json(["--size", "125m"] + BOX, capsys)
+    assert code == EXIT_FITS and plan["step_prediction"] is None and plan["speeds"] is None
+
+
 def test_written_config_parses_and_args_are_accepted_by_the_trainer(tmp_path, capsys):
     from megatron.training.arguments import parse_args
     from zero_cache import parse_config

@@ -1,0 +1,245 @@
+"""The emulated accelerator (zero_optimization.emulated_accelerator): host <-> device copies on their own
+streams, at a bandwidth and with random delays, checked against the single-process fp32 reference.
+
+DP=2 with offload cpu and nvme at prefetch_cache_sub_group_rate 0, 0.5 and 1 (the heterogeneous optimizer:
+device sub-groups on the training thread, host and SSD ones on the host lane), pinned host shards, and the
+speculative host update: per-step losses within 1e-5 over 10 steps and the final weights. Then the harness
+is shown to catch races: removing one wait (the all-gather's wait for its shard's copy, or the host lane's
+wait for a gradient's copy) gives wrong numbers. Also: the emulator's own semantics, the config rule, and the
+per-step copy report in the log line."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import zero_cache
+from tests.dist_utils import run_distributed
+from tests.zero_cache.common import (
+    CLIP,
+    GAS,
+    STEPS,
+    assert_close_losses,
+    assert_close_weights,
+    batches,
+    ds_config,
+    make_model,
+    rank_micro_batches,
+    reference_run,
+    to_numpy,
+)
+from zero_cache.comm import Comm
+from zero_cache.config import EmulatedAcceleratorConfig, ZeroConfigError, parse_config
+from zero_cache.emulator import EmulatedStreams
+from zero_cache.grad_reducer import GradReducer
+from zero_cache.streams import DONE, make_streams
+
+DP = 2
+# Slow enough that every copy is still in flight when a reader that skips its wait looks.
+EMULATOR = {"enabled": True, "h2d_gbps": 0.05, "d2h_gbps": 0.05, "random_delay_ms": 2.0}
+SUB_GROUP = 600  # shard elements per sub-group: 6 sub-groups per rank at DP=2
+# (name, optimizer/parameter offload device, prefetch_cache_sub_group_rate, extra zero_optimization keys)
+CASES = [("cpu-rate0", "cpu", 0.0, {}), ("cpu-rate0.5", "cpu", 0.5, {}), ("cpu-rate1", "cpu", 1.0, {}),
+         ("nvme-rate0", "nvme", 0.0, {}), ("nvme-rate0.5", "nvme", 0.5, {}), ("nvme-rate1", "nvme", 1.0, {}),
+         ("cpu-pinned-speculative", "cpu", 0.0, {"speculative_update": True})]
+
+
+def _config(world_size: int, offload: str, rate: float, nvme: str = "", emulator=None, **extra) -> dict:
+    where = {"device": offload, "nvme_path": nvme} if offload == "nvme" else {"device": offload}
+    if extra.get("speculative_update"):
+        where["pin_memory"] = True
+    zero = {"sub_group_size": SUB_GROUP, "prefetch_cache_sub_group_rate": rate, "offload_optimizer": dict(where),
+            "offload_param": dict(where), "emulated_accelerator": dict(emulator or EMULATOR), **extra}
+    return ds_config(3, world_size, **zero)
+
+
+def _engine(config):
+    model = make_model()
+    engine = zero_cache.initialize(model=model, config=config)
+    engine.register_external_parameter(model.head, model.embed.weight)
+    return engine
+
+
+def _train(engine, rank: int, world_size: int, steps: int = STEPS):
+    """Losses, and each step's copy and speculation reports."""
+    data = batches(steps)
+    losses, copies, speculation = [], [], []
+    for s in range(steps):
+        micro = []
+        for mb in rank_micro_batches(data[s], rank, world_size):
+            loss = engine(mb)
+            micro.append(loss.item())
+            engine.backward(loss)
+        engine.step()
+        losses.append(sum(micro) / len(micro))
+        copies.append(engine.copy_stats())
+        speculation.append(engine.last_speculation)
+    return losses, copies, speculation
+
+
+def _run_cases(rank, world_size, nvme):
+    out = {}
+    for name, offload, rate, extra in CASES:
+        engine = _engine(_config(world_size, offload, rate, nvme, **extra))
+        losses, copies, spec = _train(engine, rank, world_size)
+        host_grads = [c.plan.shard for c in engine.chunks if engine.reducer.to_host[c.index]]
+        out[name] = {"losses": losses, "weights": to_numpy(engine.gather_state_dict()), "copies": copies,
+                     "speculation": spec, "host_grad_elems": sum(host_grads),
+                     "device_sub_groups": sum(engine.optimizer.on_device), "sub_groups": len(engine.sub_groups),
+                     "lane": engine.lane is not None, "report": engine.memory_report(),
+                     "reserved_staging": engine.store.copy_staging}
+        engine.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    nvme = str(tmp_path_factory.mktemp("nvme"))
+    return run_distributed(_run_cases, DP, nvme, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    norms: list[float] = []
+    losses, weights = reference_run(norms=norms)
+    return losses, weights, norms
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_matches_reference_with_emulated_copies(results, reference, case):
+    ref_losses, ref_weights, _ = reference
+    losses = [sum(r[case]["losses"][s] for r in results) / DP for s in range(STEPS)]
+    assert_close_losses(losses, ref_losses)
+    assert ref_losses[-1] < ref_losses[0] - 0.05
+    assert_close_weights(results[0][case]["weights"], ref_weights[-1])
+    rate = next(c[2] for c in CASES if c[0] == case)
+    for r in results:
+        res = r[case]
+        # The first ceil(rate x sub-groups) sub-groups update on the device, beside the host lane.
+        assert res["device_sub_groups"] == -(-int(2 * rate * res["sub_groups"]) // 2)
+        for stats in res["copies"]:
+            # One device-to-host copy per host gradient shard per micro-batch, of its fp32 shard.
+            assert stats.d2h_bytes == 4 * GAS * res["host_grad_elems"]
+            assert (stats.h2d_bytes > 0) == (rate < 1.0)
+            assert stats.issued_seconds > 0 or stats.copies == 0
+            assert 0.0 <= stats.hidden <= 1.0
+        if rate < 1.0:  # the pinned pools held no more than the host budget reserved for them
+            assert res["lane"] and 0 < res["report"].copy_staging <= res["reserved_staging"]
+
+
+@pytest.mark.multiprocess
+def test_speculation_is_accepted_without_clipping_and_redone_with_it(results, reference):
+    _, _, norms = reference
+    for r in results:
+        for step, (stats, norm) in enumerate(zip(r["cpu-pinned-speculative"]["speculation"], norms)):
+            assert stats.speculated > 0, f"step {step + 1}"
+            if norm > CLIP:  # clipped: every speculated sub-group was restored, then updated by the step
+                assert (stats.accepted, stats.restored) == (0, stats.speculated), f"step {step + 1}"
+            else:
+                assert (stats.accepted, stats.restored) == (stats.speculated, 0), f"step {step + 1}"
+    assert any(n > CLIP for n in norms) and any(n <= CLIP for n in norms)  # both outcomes were exercised
+
+
+# ---- the harness catches races (one process: no spawn) --------------------------------------------------
+def _single_process_losses(steps: int = 2) -> list[float]:
+    engine = _engine(_config(1, "cpu", 0.0, emulator={**EMULATOR, "random_delay_ms": 0.0}))
+    try:
+        return _train(engine, 0, 1, steps)[0]
+    finally:
+        engine.close()
+
+
+def test_without_race_the_single_process_run_matches():
+    assert_close_losses(_single_process_losses(), reference_run(steps=2)[0])
+
+
+def test_gather_that_skips_its_copy_wait_gives_wrong_numbers(monkeypatch):
+    original = Comm.all_gather
+
+    def no_wait(self, out, shard, tag="", async_op=False, after=None):
+        return original(self, out, shard, tag, async_op, None if after is None else DONE)
+    monkeypatch.setattr(Comm, "all_gather", no_wait)
+    with pytest.raises(AssertionError):
+        assert_close_losses(_single_process_losses(), reference_run(steps=2)[0])
+
+
+def test_gradient_read_before_its_copy_lands_gives_wrong_numbers(monkeypatch):
+    original = GradReducer._land
+
+    def no_wait(self, c, staged, landed, *rest):
+        return original(self, c, staged, DONE, *rest)
+    monkeypatch.setattr(GradReducer, "_land", no_wait)
+    with pytest.raises(AssertionError):
+        assert_close_losses(_single_process_losses(), reference_run(steps=2)[0])
+
+
+# ---- the emulator itself, the config, the report ---------------------------------------------------------
+def test_emulated_copy_is_nan_until_it_lands_and_streams_keep_order():
+    streams = EmulatedStreams(EmulatedAcceleratorConfig(enabled=True, h2d_gbps=1e-4, d2h_gbps=1.0))
+    streams.configure_staging(4096, 4096)
+    try:
+        src = torch.arange(256, dtype=torch.float32)  # 1 KiB at 1e5 B/s: 10 ms in flight
+        dst = torch.zeros(256)
+        first = streams.h2d(dst, src)
+        assert first.source_free.query()  # pageable: staged into pinned memory at once, free to change
+        src.fill_(-1.0)
+        second = torch.zeros(256)
+        later = streams.h2d(second, torch.ones(256))
+        first.done.synchronize()
+        assert torch.equal(dst, torch.arange(256, dtype=torch.float32))  # the staged values landed
+        assert not later.done.query() or torch.equal(second, torch.ones(256))  # in order, after the first
+        streams.wait(later.done)
+        assert torch.equal(second, torch.ones(256))
+        out = torch.zeros(256)
+        landing = streams.h2d(out, torch.ones(256)).done
+        saw_nan = False
+        while not landing.query():  # in flight, the destination holds NaN
+            saw_nan = saw_nan or bool(torch.isnan(out).all())
+        landing.synchronize()
+        assert saw_nan and torch.equal(out, torch.ones(256))
+        stats = streams.take_stats()
+        assert stats.copies == 3 and stats.h2d_bytes == 3 * 1024 and stats.blocked_seconds > 0
+    finally:
+        streams.close()
+
+
+def test_staging_pool_is_bounded_and_reuses_a_buffer_only_after_its_copy():
+    streams = EmulatedStreams(EmulatedAcceleratorConfig(enabled=True, h2d_gbps=1e-4, d2h_gbps=1.0))
+    streams.configure_staging(1024, 0)
+    try:
+        dsts = [torch.zeros(256) for _ in range(3)]
+        copies = [streams.h2d(d, torch.full((256,), float(i))) for i, d in enumerate(dsts)]
+        assert streams.staging_bytes == 2 * 1024  # double-buffered: the third copy waited for the first's buffer
+        for c in copies:
+            c.done.synchronize()
+        for i, d in enumerate(dsts):
+            assert torch.equal(d, torch.full((256,), float(i)))  # no buffer was refilled under a running copy
+    finally:
+        streams.close()
+
+
+def test_emulator_is_accepted_only_on_cpu_compute():
+    cfg = parse_config(ds_config(3, 1, emulated_accelerator={"enabled": True, "h2d_gbps": 12.5}))
+    assert cfg.zero_optimization.emulated_accelerator.h2d_gbps == 12.5
+    with pytest.raises(ZeroConfigError, match="emulated_accelerator.*CPU compute"):
+        make_streams(cfg, torch.device("cuda", 0))
+    with pytest.raises(ZeroConfigError, match="h2d_gbps"):
+        parse_config(ds_config(3, 1, emulated_accelerator={"enabled": True, "h2d_gbps": 0}))
+    with pytest.raises(ZeroConfigError, match="speculative_update.*lock_free_update"):
+        parse_config(ds_config(3, 1, offload=True, speculative_update=True, lock_free_update=True))
+    with pytest.raises(ZeroConfigError, match="speculative_update.*loss scale"):
+        parse_config(ds_config(3, 1, offload=True, speculative_update=True) | {"fp16": {"enabled": True}})
+
+
+def test_log_line_shows_copy_time_issued_and_blocked(caplog):
+    engine = _engine(_config(1, "cpu", 0.0) | {"steps_per_print": 1})
+    with caplog.at_level(logging.INFO, logger="zero_cache.engine"):
+        _train(engine, 0, 1, steps=1)
+    stats = engine.copy_stats()
+    engine.close()
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("zero_cache step 1:")]
+    assert stats.copies > 0 and stats.issued_seconds > 0
+    assert f"issued {stats.issued_seconds * 1e3:.1f}ms, blocked compute {stats.blocked_seconds * 1e3:.1f}ms" in line
+    assert "hidden" in line and f"D2H {stats.d2h_bytes / 2**20:.2f}MiB" in line

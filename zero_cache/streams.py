@@ -1,0 +1,415 @@
+"""Copy streams and events: how host <-> device copies are scheduled, one code path for a GPU and for CPU tests.
+
+Bytes cross between host memory and the compute device in three places: parameter shards before their
+all-gathers (host to device), gradient shards after their reduce-scatters (device to host) and updated
+parameters after the host optimizer (host to device). The coordinator, the reducer and the optimizer
+schedule all three through a ``Streams`` object:
+
+- ``h2d(dst, src, after)``: an asynchronous copy on the host-to-device copy stream, started once the events
+  in ``after`` are done; returns a ``Transfer``: ``done`` (the copy landed in ``dst``) and ``source_free``
+  (``src`` may be changed or reused).
+- ``d2h_staged(src, after)``: a copy on the device-to-host stream into a staging buffer of the pinned pool;
+  the consumer synchronizes the returned event, reads the buffer and ``release``s it.
+- ``compute_event()``: the current point of the compute stream. A copy into memory that compute used or
+  allocated waits for it (the block may still be read by kernels queued before it).
+- ``wait(event)``: the compute stream waits (on a GPU the host does not block); ``synchronize(event)``: the
+  calling host thread waits.
+- ``issue_after(event, fn, may_defer)``: run ``fn`` (it issues a collective) ordered after ``event`` only,
+  not after the compute stream: on a GPU the collective is issued from a side stream that waits for the
+  event, so its NCCL stream waits for the copy and not for the kernels queued on the compute stream.
+
+Pageable host memory cannot be read by a copy engine asynchronously: a pageable source is first copied (by
+the calling thread) into a buffer of a bounded pinned pool, double-buffered, and the copy reads that buffer.
+A pool buffer is handed out again only once the copy that last used it is done (its guard event); buffers
+are never reused by luck, and no ``record_stream`` is needed because every device tensor a copy reads or
+writes is kept referenced until the copy's event is done.
+
+Implementations: ``HostStreams`` (CPU without an emulator: host and device are one memory, copies are
+synchronous and nothing ever waits), ``CudaStreams`` (``torch.cuda.Stream`` / ``torch.cuda.Event``) and
+``EmulatedStreams`` (emulator.py: worker threads at a configured bandwidth, for CPU tests).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from .config import ZeroCacheConfig, ZeroConfigError
+
+H2D, D2H = "h2d", "d2h"
+# Pinned staging buffers per direction. Host to device: double-buffered, one being copied while the next is
+# filled. Device to host: one more, since the host lane holds a buffer while it accumulates from it.
+STAGING_BUFFERS = {"h2d": 2, "d2h": 3}
+
+
+class Event:
+    """A point on a stream: done once everything issued there before it has run."""
+
+    def query(self) -> bool:
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        raise NotImplementedError
+
+
+class _Done(Event):
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+DONE: Event = _Done()
+
+
+@dataclass(frozen=True)
+class Transfer:
+    done: Event  # the copy landed in its destination
+    source_free: Event  # the source may be changed or reused (done, unless it was staged first)
+
+
+@dataclass(frozen=True)
+class CopyStats:
+    """Host <-> device copies of one step on this rank."""
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    copies: int = 0
+    issued_seconds: float = 0.0  # sum of the copies' durations on their streams
+    blocked_seconds: float = 0.0  # time the training thread (compute) sat waiting for copies
+    lane_wait_seconds: float = 0.0  # time the training thread waited for the host lane (gradients landing)
+
+    @property
+    def hidden(self) -> float:
+        """Share of the copy time that did not block compute (1 = all hidden)."""
+        if self.issued_seconds <= 0:
+            return 1.0
+        return max(0.0, self.issued_seconds - self.blocked_seconds) / self.issued_seconds
+
+    def __str__(self) -> str:
+        return (f"copies H2D {self.h2d_bytes / 2**20:.2f}MiB D2H {self.d2h_bytes / 2**20:.2f}MiB ({self.copies}), "
+                f"issued {self.issued_seconds * 1e3:.1f}ms, blocked compute {self.blocked_seconds * 1e3:.1f}ms "
+                f"({100 * self.hidden:.0f}% hidden), host lane wait {self.lane_wait_seconds * 1e3:.1f}ms")
+
+
+class CopyMeter:
+    """Thread-safe sums behind ``CopyStats``; ``take()`` returns them and starts over."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._main = threading.get_ident()  # the training thread: its waits are compute waits
+        self._reset()
+
+    def _reset(self) -> None:
+        self._bytes = {H2D: 0, D2H: 0}
+        self._copies = 0
+        self._issued = self._blocked = self._lane = 0.0
+
+    def on_main_thread(self) -> bool:
+        return threading.get_ident() == self._main
+
+    def copy(self, direction: str, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self._bytes[direction] += nbytes
+            self._copies += 1
+            self._issued += seconds
+
+    def blocked(self, seconds: float) -> None:
+        """A wait of the calling thread; it blocked compute when that is the training thread."""
+        if self.on_main_thread():
+            self.stalled(seconds)
+
+    def stalled(self, seconds: float) -> None:
+        """Compute stalled for ``seconds`` on copies (a GPU stall measured on the compute stream)."""
+        with self._lock:
+            self._blocked += seconds
+
+    def lane_wait(self, seconds: float) -> None:
+        with self._lock:
+            self._lane += seconds
+
+    def take(self) -> CopyStats:
+        with self._lock:
+            out = CopyStats(self._bytes[H2D], self._bytes[D2H], self._copies, self._issued, self._blocked,
+                            self._lane)
+            self._reset()
+        return out
+
+
+class StagingPool:
+    """Bounded, reused pinned host buffers of one size (the largest transfer staged through them).
+
+    ``acquire`` hands out a buffer whose guard event is done; with every buffer lent or guarded it waits for
+    the oldest guarded one (or for a release). ``release(view, guard)``: the buffer is free once ``guard`` is."""
+
+    def __init__(self, unit_bytes: int, buffers: int, allocate: Callable[[int], torch.Tensor], meter: CopyMeter):
+        self.unit = max(1, unit_bytes)
+        self.buffers = buffers
+        self._allocate = allocate
+        self._meter = meter
+        self._free: list[tuple[torch.Tensor, Event]] = []  # oldest first
+        self._lent: dict[int, torch.Tensor] = {}  # data_ptr -> buffer
+        self._count = 0
+        self._cond = threading.Condition()
+
+    @property
+    def held(self) -> int:
+        return self._count * self.unit
+
+    def acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = numel * dtype.itemsize
+        if nbytes > self.unit:
+            raise ValueError(f"staging request of {nbytes} bytes exceeds the pinned staging buffers ({self.unit} "
+                             f"bytes each, sized by the largest shard)")
+        t0 = time.perf_counter()
+        while True:
+            with self._cond:
+                ready = next((i for i, (_, guard) in enumerate(self._free) if guard.query()), None)
+                if ready is not None:
+                    buf, guard = self._free.pop(ready)
+                elif self._count < self.buffers:
+                    buf, guard = self._allocate(self.unit), DONE
+                    self._count += 1
+                elif self._free:
+                    buf, guard = self._free.pop(0)  # the oldest copy finishes first
+                else:
+                    self._cond.wait()  # every buffer is lent: a consumer returns one
+                    continue
+                self._lent[buf.data_ptr()] = buf
+            guard.synchronize()
+            waited = time.perf_counter() - t0
+            if waited > 1e-4:
+                self._meter.blocked(waited)
+            return buf[:nbytes].view(dtype)
+
+    def release(self, view: torch.Tensor, guard: Event = DONE) -> None:
+        with self._cond:
+            buf = self._lent.pop(view.data_ptr())
+            self._free.append((buf, guard))
+            self._cond.notify()
+
+
+class Streams:
+    """The compute device's copy engines; see the module docstring. ``separate``: host and device memory
+    differ, so host-tier shards reach the device only through copies."""
+
+    separate = True
+
+    def __init__(self):
+        self.meter = CopyMeter()
+        self.h2d_pool: StagingPool | None = None
+        self.d2h_pool: StagingPool | None = None
+
+    # ---- primitives (per implementation) ---------------------------------------------------------------
+    def compute_event(self) -> Event:
+        raise NotImplementedError
+
+    def wait(self, event: Event) -> None:
+        raise NotImplementedError
+
+    def synchronize(self, event: Event) -> None:
+        t0 = time.perf_counter()
+        event.synchronize()
+        self.meter.blocked(time.perf_counter() - t0)
+
+    def issue_after(self, event: Event, fn: Callable, may_defer: bool):
+        raise NotImplementedError
+
+    def pinned(self, t: torch.Tensor) -> bool:
+        raise NotImplementedError
+
+    def before_free(self, event: Event) -> None:
+        """Device memory a copy wrote (``event``) is about to be freed or reused by the host's bookkeeping. On a
+        GPU nothing to do: the caching allocator reuses a block in compute-stream order, and compute waited
+        for the copy before it read the block. Where frees are immediate (the emulator) the host waits."""
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` in pinned host memory (a host-tier shard with pin_memory)."""
+        return t
+
+    def _copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor, after: Iterable[Event]) -> Event:
+        raise NotImplementedError
+
+    def _allocate_pinned(self, nbytes: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def take_stats(self) -> CopyStats:
+        return self.meter.take()
+
+    def close(self) -> None:
+        """Stop worker threads (the emulator's)."""
+
+    # ---- the copy path ---------------------------------------------------------------------------------
+    def configure_staging(self, h2d_unit: int, d2h_unit: int) -> None:
+        """Size the pinned pools by the largest transfer each direction stages (bytes)."""
+        if h2d_unit:
+            self.h2d_pool = StagingPool(h2d_unit, STAGING_BUFFERS[H2D], self._allocate_pinned, self.meter)
+        if d2h_unit:
+            self.d2h_pool = StagingPool(d2h_unit, STAGING_BUFFERS[D2H], self._allocate_pinned, self.meter)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Pinned staging memory held now."""
+        return sum(p.held for p in (self.h2d_pool, self.d2h_pool) if p is not None)
+
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor, after: Iterable[Event] = ()) -> Transfer:
+        if self.pinned(src):
+            done = self._copy(H2D, dst, src, after)
+            return Transfer(done, done)
+        staging = self.h2d_pool.acquire(src.numel(), src.dtype)
+        staging.copy_(src.reshape(-1))
+        done = self._copy(H2D, dst, staging.view(src.shape), after)
+        self.h2d_pool.release(staging, done)
+        return Transfer(done, DONE)
+
+    def d2h_staged(self, src: torch.Tensor, after: Iterable[Event] = ()) -> tuple[torch.Tensor, Event]:
+        """Copy device tensor ``src`` into a pinned staging buffer: (the buffer, its copy's event). The caller
+        keeps ``src`` referenced until the event is done and ``release``s the buffer after reading it."""
+        staging = self.d2h_pool.acquire(src.numel(), src.dtype)
+        return staging, self._copy(D2H, staging, src.reshape(-1), after)
+
+    def release(self, staging: torch.Tensor) -> None:
+        self.d2h_pool.release(staging)
+
+
+class HostStreams(Streams):
+    """CPU compute without an emulator: one memory; copies happen at once and nothing waits."""
+
+    separate = False
+
+    def compute_event(self) -> Event:
+        return DONE
+
+    def wait(self, event: Event) -> None:
+        event.synchronize()
+
+    def issue_after(self, event, fn, may_defer):
+        event.synchronize()
+        return fn()
+
+    def pinned(self, t):
+        return True
+
+    def _copy(self, direction, dst, src, after):
+        dst.copy_(src)
+        return DONE
+
+    def _allocate_pinned(self, nbytes):
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
+class CudaEvent(Event):
+    def __init__(self, event: torch.cuda.Event):
+        self.event = event
+
+    def query(self) -> bool:
+        return self.event.query()
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+
+class CudaStreams(Streams):
+    """Two copy streams (host to device, device to host) and a side stream collectives are issued from.
+    Copy durations and compute stalls are timed with CUDA events, read once they are done."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+        self.h2d_stream = torch.cuda.Stream(device)
+        self.d2h_stream = torch.cuda.Stream(device)
+        self.side = torch.cuda.Stream(device)
+        self._copies: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] = []
+        self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._lock = threading.Lock()  # copies are issued from the training thread and the host lane
+
+    def _stream_waits(self, stream: torch.cuda.Stream, after: Iterable[Event]) -> None:
+        for e in after:
+            if isinstance(e, CudaEvent):
+                stream.wait_event(e.event)
+            else:
+                e.synchronize()
+
+    def compute_event(self) -> Event:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return CudaEvent(ev)
+
+    def wait(self, event: Event) -> None:
+        if not isinstance(event, CudaEvent):
+            event.synchronize()
+            return
+        stream = torch.cuda.current_stream(self.device)
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(stream)
+        stream.wait_event(event.event)
+        after.record(stream)  # elapsed(before, after): how long the compute stream stalled on the copy
+        with self._lock:
+            self._stalls.append((before, after))
+
+    def issue_after(self, event, fn, may_defer):
+        self._stream_waits(self.side, [event])
+        with torch.cuda.stream(self.side):  # the collective's stream waits for the side stream only
+            return fn()
+
+    def pinned(self, t):
+        return t.is_pinned()
+
+    def pin(self, t):
+        return t.pin_memory()
+
+    def _copy(self, direction, dst, src, after):
+        stream = self.h2d_stream if direction == H2D else self.d2h_stream
+        self._stream_waits(stream, after)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            dst.copy_(src, non_blocking=True)
+            end.record(stream)
+        with self._lock:
+            self._copies.append((direction, src.numel() * src.element_size(), start, end))
+        return CudaEvent(end)
+
+    def _allocate_pinned(self, nbytes):
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def take_stats(self) -> CopyStats:
+        """Durations of the copies and stalls that are done; the rest count in a later step."""
+        with self._lock:
+            copies, self._copies = self._copies, []
+            stalls, self._stalls = self._stalls, []
+            for direction, nbytes, start, end in copies:
+                if end.query():
+                    self.meter.copy(direction, nbytes, start.elapsed_time(end) / 1e3)
+                else:
+                    self._copies.append((direction, nbytes, start, end))
+            for before, after in stalls:
+                if after.query():
+                    self.meter.stalled(before.elapsed_time(after) / 1e3)
+                else:
+                    self._stalls.append((before, after))
+        return self.meter.take()
+
+
+def separate_memory(cfg: ZeroCacheConfig, device: torch.device) -> bool:
+    """Whether host-tier states reach ``device`` only through copies (an accelerator or the emulated one)."""
+    return device.type == "cuda" or cfg.zero_optimization.emulated_accelerator.enabled
+
+
+def make_streams(cfg: ZeroCacheConfig, device: torch.device, rank: int = 0) -> Streams:
+    """The copy engines of ``device``: CUDA streams, the emulated accelerator (CPU compute with
+    ``zero_optimization.emulated_accelerator.enabled``), or plain host memory."""
+    emulated = cfg.zero_optimization.emulated_accelerator
+    if emulated.enabled:
+        if device.type != "cpu":
+            raise ZeroConfigError(f"zero_cache config: 'zero_optimization.emulated_accelerator' emulates an "
+                                  f"accelerator for CPU compute, but the model is on {device}; remove the block "
+                                  f"or set its 'enabled' to false")
+        from .emulator import EmulatedStreams
+        return EmulatedStreams(emulated, seed=rank)
+    if device.type == "cuda":
+        return CudaStreams(device)
+    return HostStreams()
