@@ -1,6 +1,7 @@
 """Helpers for the launcher tests: run ptm-launch (optionally inside a network namespace), parse output."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -15,7 +16,6 @@ import psutil
 REPO = Path(__file__).resolve().parents[2]
 STANDIN = "tests/launcher/standin_train.py"
 _STEP_RE = re.compile(r"step (\d+) loss (\S+)")
-_GPT_LOSS_RE = re.compile(r"lm loss: ([0-9.]+E[+-]\d+)")
 
 
 def launcher_argv(*args: str, netns: str | None = None) -> list[str]:
@@ -105,10 +105,6 @@ def standin_report(output: str) -> dict:
             "losses": [float(loss) for _, loss in sorted((int(s), v) for s, v in _STEP_RE.findall(output))]}
 
 
-def gpt_losses(output: str) -> list[float]:
-    return [float(v) for v in _GPT_LOSS_RE.findall(output)]
-
-
 _GPT_ITERATION_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|")
 
 
@@ -127,3 +123,15 @@ def tiny_gpt_args(iters: int = 12) -> list[str]:
     for flag, value in (("--train-iters", str(iters)), ("--log-interval", "1"), ("--hidden-dropout", "0.1")):
         args[args.index(flag) + 1] = value
     return args
+
+
+@functools.cache
+def tiny_gpt_losses() -> dict[int, str]:
+    """{iteration: loss} of tiny_gpt_args() trained uninterrupted by ptm-launch on 2 CPU ranks (computed once
+    per test session: the restart tests compare against it)."""
+    result = run_launcher("--num_gpus", "2", "pretrain_gpt.py", *tiny_gpt_args(), env={"CUDA_VISIBLE_DEVICES": ""},
+                          timeout=300)
+    assert result.returncode == 0, result.stdout
+    losses = gpt_losses_by_iteration(result.stdout)
+    assert sorted(losses) == list(range(1, 13))
+    return losses

@@ -20,6 +20,7 @@ from tests.launcher.launch_utils import (
     gpt_losses_by_iteration,
     run_launcher,
     tiny_gpt_args,
+    tiny_gpt_losses,
 )
 from tests.launcher.standin_train import reference_losses
 
@@ -29,11 +30,7 @@ CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 
 
 def test_killed_rank_restarts_every_rank_from_the_checkpoint_with_the_uninterrupted_losses(tmp_path):
-    reference = run_launcher("--num_gpus", "2", "pretrain_gpt.py", *tiny_gpt_args(), env=CPU_ONLY, timeout=300)
-    assert reference.returncode == 0, reference.stdout
-    expected = gpt_losses_by_iteration(reference.stdout)
-    assert sorted(expected) == list(range(1, 13))
-
+    expected = tiny_gpt_losses()
     ckpt = tmp_path / "ckpt"
     live = LiveLauncher("--num_gpus", "2", "--max_restarts", "1", "pretrain_gpt.py", *tiny_gpt_args(),
                         "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "3", env=CPU_ONLY)

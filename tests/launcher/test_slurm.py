@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.launcher.launch_utils import REPO, gpt_losses_by_iteration, run_launcher, tiny_gpt_args
+from tests.launcher.launch_utils import REPO, gpt_losses_by_iteration, tiny_gpt_args, tiny_gpt_losses
 
 pytestmark = pytest.mark.multiprocess
 
@@ -39,13 +39,6 @@ def slurm_env():
     yield {**os.environ, "SLURM_CONF": up.stdout.strip().splitlines()[-1]}
     if "already up" not in up.stderr:  # leave a cluster that was running before as it was
         subprocess.run(["bash", str(SETUP), "down"], capture_output=True, text=True, timeout=120, check=True)
-
-
-def _reference() -> dict[int, str]:
-    result = run_launcher("--num_gpus", "2", "pretrain_gpt.py", *tiny_gpt_args(), env={"CUDA_VISIBLE_DEVICES": ""},
-                          timeout=300)
-    assert result.returncode == 0, result.stdout
-    return gpt_losses_by_iteration(result.stdout)
 
 
 def _job_workers(job_id: str) -> dict[int, int]:
@@ -73,7 +66,7 @@ def _wait_for(path: Path, pattern: str, timeout: float) -> str:
 
 @pytest.mark.parametrize("launcher", ["srun", "ptm-launch"])
 def test_sbatch_example_restarts_a_killed_rank_and_finishes(slurm_env, tmp_path, launcher):
-    expected = _reference()
+    expected = tiny_gpt_losses()
     out = tmp_path / "job.out"
     env = {**slurm_env, "NPROC": "2", "MAX_RESTARTS": "1", "CKPT_DIR": str(tmp_path / "ckpt"), "SAVE_INTERVAL": "3",
            "PYTHON": VENV_PYTHON, "LAUNCHER": launcher, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}

@@ -89,6 +89,7 @@ def _bounded(rank, world, nvme, ckpt):
     data = ssd_data(4)
     ssd_train(engine, data, rank, world, range(2))
     report = engine.memory_report()
+    engine.save_checkpoint(ckpt + "-first")  # one-time costs of a first save (thread pools, caches) stay out
     with PeakRSS() as save_rss:
         engine.save_checkpoint(ckpt)
     rest = ssd_train(engine, data, rank, world, range(2, 4))
@@ -110,10 +111,10 @@ def test_save_and_load_beyond_the_host_budget_stay_within_the_slice_bound(tmp_pa
         assert o["states"] > 2.5 * HOST_BUDGET and o["nvme"] > 1.5 * HOST_BUDGET
         assert o["again"] == o["rest"]  # exact resume from states that never fit in memory
         # One stored chunk (at most a slice) in flight, read from SSD or from the file, and its serialized
-        # copy, plus one-time costs of the first save in a process (about 1.5 MiB): a fraction of the states.
-        bound = 4 * slice_bytes + (2 << 20)
+        # copy, plus the planner's metadata and the allocator's slack: a fraction of the states.
+        bound = 4 * slice_bytes + (1 << 20)
         assert o["save"] < bound and o["load"] < bound, (o["save"], o["load"], bound)
-        assert bound < o["states"] / 3
+        assert bound < o["states"] / 5
         print(f"states {o['states']} B ({o['nvme']} on SSD), host budget {HOST_BUDGET}: RSS +{o['save']} B "
               f"saving, +{o['load']} B loading (slice {slice_bytes} B)")
 
