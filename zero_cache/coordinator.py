@@ -11,6 +11,10 @@ micro-batches). The next step replays it: serving request i also issues async al
 chunks at i+1, i+2, ... within ``stage3_prefetch_bucket_size`` elements and ``stage3_max_live_parameters``
 gathered elements, so the next module's gather overlaps this module's compute. A request that does not
 match the trace turns prefetch off for the rest of the step and the step's record becomes the new trace.
+The first step has no record yet: its trace is predicted from the module order (modules in registration
+order forward, in reverse backward, once per micro-batch), which is the execution order of GPT-style models,
+so the first step prefetches and keeps a chunk gathered across the modules that share it like the later
+ones; a model that runs in another order just turns prefetch off at the first mismatch.
 A chunk whose next use is within ``stage3_max_reuse_distance`` elements of requests is kept gathered.
 All ranks of the DP group make the same decisions, so their collectives stay in the same order.
 
@@ -69,8 +73,9 @@ def _tensors(obj):
 class ParamCoordinator:
     def __init__(self, chunks: list[FlatChunk], comm: Comm, zcfg: ZeroOptimizationConfig,
                  on_backward_activity: Callable[[], None], store: ShardStore | None = None,
-                 streams: Streams | None = None):
+                 streams: Streams | None = None, micro_batches: int = 1):
         self.chunks = chunks
+        self.micro_batches = micro_batches
         self.store = store
         self.streams = streams or HostStreams()
         # Partitioned chunks whose shard is in host memory (or SSD): gathers copy it to the device first.
@@ -169,6 +174,8 @@ class ParamCoordinator:
         """Make ``ids`` available: issue what is missing, prefetch ahead by trace, then wait."""
         if self._releases:
             self._poll_releases()
+        if self.trace is None:  # the first request of the first step
+            self._set_trace(self._predicted_trace())
         for c in ids:
             self._record(c)
             if not self.chunks[c].gathered and c not in self.inflight:
@@ -357,6 +364,13 @@ class ParamCoordinator:
         self.trace_ok = True
 
     # ---- trace -----------------------------------------------------------------------------------------
+    def _predicted_trace(self) -> list[int]:
+        """The requests of a step if modules run in registration order and their backward in reverse."""
+        order = list(self.module_chunks.values())
+        forward = [c for ids in order for c in ids]
+        backward = [c for ids in reversed(order) for c in ids]
+        return (forward + backward) * self.micro_batches
+
     def _set_trace(self, trace: list[int]) -> None:
         self.trace = trace
         self._trace_pos_of = {}

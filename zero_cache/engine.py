@@ -115,7 +115,7 @@ class ZeroEngine:
         self.coordinator = None
         if any(not c.plan.resident for c in self.chunks):
             self.coordinator = ParamCoordinator(self.chunks, self.comm, z, self._on_backward_activity, self.store,
-                                                self.streams)
+                                                self.streams, micro_batches=cfg.gradient_accumulation_steps)
             self.coordinator.register_model(model)
         self.optimizer = ShardedAdam(self.chunks, self.sub_groups, self.groups, lr=hp.lr, betas=hp.betas,
                                      eps=hp.eps, decoupled=cfg.optimizer.type == "AdamW",
