@@ -144,7 +144,9 @@ def test_speculation_is_accepted_without_clipping_and_redone_with_it(results, re
 
 # ---- the harness catches races (one process: no spawn) --------------------------------------------------
 def _single_process_losses(steps: int = 2) -> list[float]:
-    engine = _engine(_config(1, "cpu", 0.0, emulator={**EMULATOR, "random_delay_ms": 0.0}))
+    # Gathers on demand (no prefetch): each is waited for right after it is issued, while its copy is in flight.
+    engine = _engine(_config(1, "cpu", 0.0, emulator={**EMULATOR, "random_delay_ms": 0.0},
+                             stage3_prefetch_bucket_size=0))
     try:
         return _train(engine, 0, 1, steps)[0]
     finally:

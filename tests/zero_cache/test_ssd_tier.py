@@ -180,8 +180,9 @@ def test_parameter_shards_are_read_ahead_of_their_gathers(tmp_path):
             early += any(events[i][0] == "all_gather" for i in range(r + 1, g))
         return early
 
-    assert read_early(steps[0]) == 0  # no trace yet: each shard is read when its gather is issued
-    assert read_early(steps[1]) >= 2  # with the trace, reads run a window ahead of the gathers
+    # By the trace (predicted from the module order in the first step, recorded after), reads run a window
+    # ahead of the gathers.
+    assert read_early(steps[0]) >= 2 and read_early(steps[1]) >= 2
     for events in steps:  # spare host budget: the optimizer's states are read while the backward runs
         first_read = next(i for i, e in enumerate(events) if e[0] == "ssd_read_states")
         assert first_read < next(i for i, e in enumerate(events) if e[0] == "reduce_scatter")
