@@ -40,7 +40,7 @@ def test_kill_during_async_saves_resumes_exactly(tmp_path):
     rng = random.Random(0)
     seen: dict[int, float] = {}
     kills = 0
-    while kills < 5:
+    while kills < 3:
         proc = start(_argv(ckpt))
         lines = []
         for line in proc.stdout:  # kill at a random moment after this attempt's first save was issued
@@ -63,7 +63,7 @@ def test_kill_during_async_saves_resumes_exactly(tmp_path):
     code, out = run(_argv(ckpt))
     assert code == 0, out
     seen.update(losses(out))
-    assert kills == 5
+    assert kills == 3
     resumed = [int(m) for m in re.findall(r"resuming at iteration (\d+)", out)]
     assert resumed and 0 < resumed[0] < ITERS
     for it, loss in seen.items():  # every iteration any attempt ran printed the uninterrupted run's loss

@@ -112,9 +112,9 @@ def test_save_and_load_beyond_the_host_budget_stay_within_the_slice_bound(tmp_pa
         assert o["again"] == o["rest"]  # exact resume from states that never fit in memory
         # One stored chunk (at most a slice) in flight, read from SSD or from the file, and its serialized
         # copy, plus the planner's metadata and the allocator's slack: a fraction of the states.
-        bound = 4 * slice_bytes + (1 << 20)
+        bound = 4 * slice_bytes + (2 << 20)
         assert o["save"] < bound and o["load"] < bound, (o["save"], o["load"], bound)
-        assert bound < o["states"] / 5
+        assert bound < o["states"] / 3
         print(f"states {o['states']} B ({o['nvme']} on SSD), host budget {HOST_BUDGET}: RSS +{o['save']} B "
               f"saving, +{o['load']} B loading (slice {slice_bytes} B)")
 

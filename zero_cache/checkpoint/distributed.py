@@ -25,6 +25,7 @@ fails every rank with one message naming it.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import pickle
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from . import integrity
+from . import disk_space, integrity
 from .geometry import GlobalSlice, flat_boxes, split_box
 from .interface import EXP_AVG, EXP_AVG_SQ, PARAM, STATES, StatePiece, StateSource
 from .slices import CheckpointError
@@ -176,9 +177,18 @@ def save(directory: str, source: StateSource, *, layout: Layout = whole, objects
     state_dict: dict[str, Any] = dict(_collect(source, layout, states, slice_numel, for_save=True))
     for key, value in {TRAINING_STATE: source.training_state(), **(objects or {})}.items():
         state_dict[object_key(key)] = value
-    from . import dcp_plumbing
-    dcp_plumbing.save(state_dict, directory, group, no_dist=not _distributed())
     rank = _group_rank(group)
+    _refuse_if_full(directory, _bytes_to_write(state_dict), group)
+    from . import dcp_plumbing
+    try:
+        dcp_plumbing.save(state_dict, directory, group, no_dist=not _distributed())
+    except (OSError, RuntimeError) as e:
+        if not disk_space.is_no_space(e):
+            raise
+        for name in os.listdir(directory):  # this rank's partial files (every rank removes its own)
+            if name.startswith(f"__{rank}_") or (rank == 0 and name == METADATA):
+                os.remove(os.path.join(directory, name))
+        raise disk_space.no_space_error(directory) from None
     mine = integrity.record(directory, sorted(f for f in os.listdir(directory) if f.startswith(f"__{rank}_")))
     everyone = [mine]
     if _distributed():
@@ -190,6 +200,32 @@ def save(directory: str, source: StateSource, *, layout: Layout = whole, objects
         integrity.write_checksums(directory, entries, {"format": FORMAT})
     if _distributed():
         dist.barrier(group=group)
+
+
+def _bytes_to_write(state_dict: dict[str, Any]) -> int:
+    """The tensor bytes of this rank's chunks (a bound: DCP writes a replicated chunk on one rank only)."""
+    total = 0
+    for obj in state_dict.values():
+        if isinstance(obj, GlobalTensor):
+            total += sum(math.prod(c.sizes) for c in obj.chunks) * obj.dtype.itemsize
+    return total
+
+
+def _refuse_if_full(directory: str, needed: int, group) -> None:
+    """Every rank refuses the save if one rank's filesystem cannot hold what that rank writes."""
+    error = None
+    try:
+        disk_space.check_free(directory, needed)
+    except CheckpointError as e:
+        error = e
+    if _distributed():
+        full = torch.tensor([1 if error else 0])
+        dist.all_reduce(full, op=dist.ReduceOp.MAX, group=group)
+        if full.item() and error is None:
+            error = CheckpointError(f"another rank has no space left for its part of checkpoint '{directory}'; "
+                                    f"nothing was written")
+    if error is not None:
+        raise error
 
 
 def read_index(directory: str) -> dict[str, tuple[int, ...] | None]:

@@ -23,9 +23,19 @@ class CheckpointError(RuntimeError):
 
 
 def atomic_torch_save(obj, path: str) -> None:
+    """torch.save through a temporary name and a rename; on a full disk the temporary file is removed and
+    the error says so."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        from .disk_space import is_no_space, no_space_error  # disk_space imports this module
+        if is_no_space(e):
+            raise no_space_error(path) from None
+        raise
 
 
 def crc32(t: torch.Tensor) -> int:

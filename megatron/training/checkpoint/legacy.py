@@ -25,7 +25,7 @@ from megatron.core import parallel_state as ps
 from megatron.training.checkpoint.checkpointer import TRACKER, iteration_dir, read_tracker, tracker_path, write_tracker
 from megatron.training.checkpoint.config import CheckpointConfig
 from megatron.training.checkpoint.rng import get_rng_state, set_rng_state, to_plain
-from zero_cache.checkpoint import CheckpointError, integrity
+from zero_cache.checkpoint import CheckpointError, disk_space, integrity
 
 CHECKPOINT_VERSION = 3.0
 MODEL_FILENAME = "model_optim_rng.pt"
@@ -66,6 +66,10 @@ def write_atomic(obj: Any, path: str) -> None:
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it visible
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        if disk_space.is_no_space(e):
+            raise disk_space.no_space_error(path) from None
+        raise
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

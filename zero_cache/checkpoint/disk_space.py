@@ -1,0 +1,45 @@
+"""Checkpoints on a full disk: a check before writing, and one clear error (without partial files) after.
+
+A save whose size is known is refused before it starts when the filesystem has less free space than this
+rank writes; a write that still runs out of space (other writers, quotas, compression) raises the same
+``CheckpointError`` once the caller has removed what it wrote, instead of the zip writer's
+``unexpected pos`` or a bare ``OSError``.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+
+from .slices import CheckpointError
+
+_NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# torch.save's zip writer reports a failed write as a RuntimeError without the errno.
+_TORCH_WRITE_FAILURES = ("unexpected pos", "file write failed", "PytorchStreamWriter failed")
+
+
+def free_bytes(path: str) -> int:
+    """Free bytes on the filesystem of ``path`` (or of its nearest existing parent)."""
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path or ".").free
+
+
+def is_no_space(exc: BaseException) -> bool:
+    if isinstance(exc, OSError):
+        return exc.errno in _NO_SPACE_ERRNOS
+    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in _TORCH_WRITE_FAILURES)
+
+
+def no_space_error(path: str, needed: int | None = None) -> CheckpointError:
+    need = f"{needed} bytes needed, " if needed is not None else ""
+    return CheckpointError(f"no space left on the filesystem of {path}: {need}{free_bytes(path)} bytes free; "
+                           f"the partial files were removed; free space there or save elsewhere (--save)")
+
+
+def check_free(path: str, needed: int) -> None:
+    """Raise the no-space error before a write of ``needed`` bytes that cannot fit."""
+    if needed > free_bytes(path):
+        raise CheckpointError(f"no space left on the filesystem of {path}: {needed} bytes needed, "
+                              f"{free_bytes(path)} bytes free; nothing was written; free space there or save "
+                              f"elsewhere (--save)")
