@@ -89,7 +89,9 @@ def test_empty_dataset_is_one_line_and_exit_2_under_torchrun_and_ptm_launch(tmp_
                               *_real_data_args(tmp_path / "empty"), env=CPU_ONLY, timeout=300)
     out = restarting.stdout
     assert restarting.returncode == 2, out
-    assert out.count(line) == 1 and "restart 1" not in out, out
+    # With restarts the job's store can go with the first rank to exit: a rank that then cannot ask whether the
+    # error was reported prints it too (errors.py reports rather than stay silent).
+    assert out.count(line) in (1, 2) and "restart 1" not in out, out
     # The other rank may be stopped by this one's exit before it reaches the same error: counted if so.
     assert re.search(r"exited with code 2 \(its error is above; (1 other rank\(s\) stopped because of it; )?exit "
                      r"code 2 is bad input: not restarted, it would fail the same way\)$", out.rstrip()), out
