@@ -17,6 +17,10 @@ Memory stays bounded both ways: chunks are cut to at most ``slice_numel`` elemen
 (SSD page files included) one at a time while saving; loading reads one stored chunk at a time and writes
 each overlap into its tier (a read-modify-write of the enclosing span where the overlap is not contiguous).
 
+A save is refused before anything is written when a rank's filesystem cannot hold its tensors, and a write
+that runs out of space removes this rank's files (``disk_space.py``). The DCP planners, writer and reader are
+in ``dcp_plumbing.py``, imported on the first save or load.
+
 After DCP's files, ``checksums.json`` (``integrity.py``) is written last: it lists every file's size and
 CRC-32 and marks the directory complete. Loading verifies the metadata file first and, before any state is
 written, every file this rank reads; all ranks agree on the verdict before anyone reads, so a damaged file
@@ -141,7 +145,7 @@ def _collect(source: StateSource, layout: Layout, states: tuple[str, ...], slice
                     gt.chunks.append(Chunk(offsets, box.sizes, read=read))
                 else:
                     gt.chunks.append(Chunk(offsets, box.sizes,
-                                            commit=_state_committer(source, piece, state, box.offsets)))
+                                           commit=_state_committer(source, piece, state, box.offsets)))
     for name, tensor in source.replicated_tensors().items():
         shape = tuple(tensor.shape)
         place = layout(name, shape)
