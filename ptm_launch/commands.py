@@ -126,21 +126,29 @@ def plan_local(cfg: LaunchConfig, python: str, host: str, slots: list[int], tota
     return [NodeSpec(host, 0, tuple(slots), tuple(argv), env)]
 
 
+def _node_agents(cfg: LaunchConfig, python: str, selection: dict[str, list[int]], max_restarts: int | None,
+                 watch_stdin: bool):
+    """(node rank, host, slots, the agent's argv around the node's torchrun) of a multi-node job: one
+    rendezvous on the first host (in ``elastic_order``) unless --master_addr/--master_port say otherwise."""
+    hosts = elastic_order(cfg, list(selection))
+    rdzv = Rendezvous(len(hosts), cfg.master_addr or hosts[0], cfg.master_port or DEFAULT_MASTER_PORT,
+                      cfg.max_restarts > 0)
+    for node_rank, host in enumerate(hosts):
+        slots = selection[host]
+        command = torchrun_argv(cfg, python, rdzv, node_rank, len(slots), local_addr=host, max_restarts=max_restarts)
+        yield node_rank, host, slots, agent_argv(python, command, watch_stdin=watch_stdin,
+                                                 grace=cfg.stop_timeout / 2, label=host)
+
+
 def plan_remote(cfg: LaunchConfig, python: str, cwd: str, selection: dict[str, list[int]],
                 pool: dict[str, int], exports: dict[str, str], environ: dict[str, str],
                 max_restarts: int | None = None) -> list[NodeSpec]:
     """One ssh/pdsh process per selected host; node ranks (and so global ranks) in hostfile order (in host-name
     order with restarts, see ``elastic_order``)."""
-    hosts = elastic_order(cfg, list(selection))
-    rdzv = Rendezvous(len(hosts), cfg.master_addr or hosts[0], cfg.master_port or DEFAULT_MASTER_PORT,
-                      cfg.max_restarts > 0)
     exports = {**exports, **torchrun_env(cfg, environ)}
+    ssh = cfg.launcher == "ssh"  # pdsh does not pass our stdin on, so the agent cannot watch it
     nodes = []
-    for node_rank, host in enumerate(hosts):
-        slots = selection[host]
-        command = torchrun_argv(cfg, python, rdzv, node_rank, len(slots), local_addr=host, max_restarts=max_restarts)
-        ssh = cfg.launcher == "ssh"  # pdsh does not pass our stdin on, so the agent cannot watch it
-        argv = agent_argv(python, command, watch_stdin=ssh, grace=cfg.stop_timeout / 2, label=host)
+    for node_rank, host, slots, argv in _node_agents(cfg, python, selection, max_restarts, watch_stdin=ssh):
         shell = remote_shell_command(cwd, {**exports, **visible_devices(slots, pool[host])}, argv)
         if ssh:
             nodes.append(NodeSpec(host, node_rank, tuple(slots), tuple(ssh_argv(cfg, host, shell)),
@@ -160,15 +168,9 @@ def srun_argv(cfg: LaunchConfig, host: str, command: list[str]) -> list[str]:
 def plan_slurm(cfg: LaunchConfig, python: str, selection: dict[str, list[int]], pool: dict[str, int],
                file_env: dict[str, str], environ: dict[str, str], max_restarts: int | None = None) -> list[NodeSpec]:
     """Inside an allocation: one srun step per selected node, each running the agent and that node's torchrun."""
-    hosts = elastic_order(cfg, list(selection))
-    rdzv = Rendezvous(len(hosts), cfg.master_addr or hosts[0], cfg.master_port or DEFAULT_MASTER_PORT,
-                      cfg.max_restarts > 0)
     env = {**file_env, **torchrun_env(cfg, environ)}
     nodes = []
-    for node_rank, host in enumerate(hosts):
-        slots = selection[host]
-        command = torchrun_argv(cfg, python, rdzv, node_rank, len(slots), local_addr=host, max_restarts=max_restarts)
-        argv = agent_argv(python, command, watch_stdin=True, grace=cfg.stop_timeout / 2, label=host)
+    for node_rank, host, slots, argv in _node_agents(cfg, python, selection, max_restarts, watch_stdin=True):
         nodes.append(NodeSpec(host, node_rank, tuple(slots), tuple(srun_argv(cfg, host, argv)),
                               env={**env, **visible_devices(slots, pool[host])}, output_prefix=f"{host}: "))
     return nodes

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import threading
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -45,14 +46,16 @@ H2D, D2H = "h2d", "d2h"
 STAGING_BUFFERS = {"h2d": 2, "d2h": 3}
 
 
-class Event:
+class Event(ABC):
     """A point on a stream: done once everything issued there before it has run."""
 
+    @abstractmethod
     def query(self) -> bool:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def synchronize(self) -> None:
-        raise NotImplementedError
+        ...
 
 
 class _Done(Event):
@@ -192,7 +195,7 @@ class StagingPool:
             self._cond.notify()
 
 
-class Streams:
+class Streams(ABC):
     """The compute device's copy engines; see the module docstring. ``separate``: host and device memory
     differ, so host-tier shards reach the device only through copies."""
 
@@ -204,24 +207,28 @@ class Streams:
         self.d2h_pool: StagingPool | None = None
 
     # ---- primitives (per implementation) ---------------------------------------------------------------
+    @abstractmethod
     def compute_event(self) -> Event:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def wait(self, event: Event) -> None:
-        raise NotImplementedError
+        ...
 
     def synchronize(self, event: Event) -> None:
         t0 = time.perf_counter()
         event.synchronize()
         self.meter.blocked(time.perf_counter() - t0)
 
+    @abstractmethod
     def issue_after(self, event: Event, fn: Callable, may_defer: bool):
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def pinned(self, t: torch.Tensor) -> bool:
-        raise NotImplementedError
+        ...
 
-    def before_free(self, event: Event) -> None:
+    def before_free(self, event: Event) -> None:  # noqa: B027 (a no-op unless an implementation overrides it)
         """Device memory a copy wrote (``event``) is about to be freed or reused by the host's bookkeeping. On a
         GPU nothing to do: the caching allocator reuses a block in compute-stream order, and compute waited
         for the copy before it read the block. Where frees are immediate (the emulator) the host waits."""
@@ -230,16 +237,18 @@ class Streams:
         """``t`` in pinned host memory (a host-tier shard with pin_memory)."""
         return t
 
+    @abstractmethod
     def _copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor, after: Iterable[Event]) -> Event:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _allocate_pinned(self, nbytes: int) -> torch.Tensor:
-        raise NotImplementedError
+        ...
 
     def take_stats(self) -> CopyStats:
         return self.meter.take()
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (a no-op unless an implementation overrides it)
         """Stop worker threads (the emulator's)."""
 
     # ---- the copy path ---------------------------------------------------------------------------------

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 import torch
 
 import zero_cache
 from megatron.training.checkpoint.legacy import write_atomic
+from tests.tmpfs import mounted_tmpfs
 from tests.zero_cache.common import batches, ds_config, make_model, train_engine
 from zero_cache.checkpoint import CheckpointError, disk_space
 from zero_cache.checkpoint.slices import atomic_torch_save
@@ -17,15 +17,8 @@ from zero_cache.checkpoint.slices import atomic_torch_save
 @pytest.fixture
 def small_disk(tmp_path):
     """A 32 KiB filesystem: half the test engine's states (64 KiB)."""
-    if os.geteuid() != 0:
-        pytest.fail("the full-disk tests mount a small tmpfs: run them as root (CI does)")
-    path = tmp_path / "small"
-    path.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32k", "tmpfs", str(path)], check=True)
-    try:
+    with mounted_tmpfs(tmp_path / "small", "32k") as path:
         yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=True)
 
 
 def _trained_engine():

@@ -18,6 +18,7 @@ from megatron.data.preprocess import cli
 from megatron.tokenizer import GPT2BPETokenizer
 from tests.data.conftest import MULTILINGUAL, write_jsonl
 from tests.memory_utils import PeakRSS
+from tests.tmpfs import mounted_tmpfs
 
 pytestmark = pytest.mark.multiprocess
 
@@ -150,16 +151,11 @@ def test_output_prefix_that_cannot_be_written_is_one_line(tmp_path, bpe_files, c
                 r"--output-prefix in a writable directory$")
     _fails_with(gpt2_args(bpe_files, [path], blocker / "out"), capsys,
                 rf"--output-prefix {blocker}/out: {blocker} exists and is not a directory;")
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(ro)], check=True)
-    try:
+    with mounted_tmpfs(tmp_path / "ro", "1m", read_only=True) as ro:
         _fails_with(gpt2_args(bpe_files, [path], ro / "sub/out"), capsys,
                     rf"--output-prefix {ro}/sub/out: cannot create {ro}/sub \(Read-only file system\);")
         _fails_with(gpt2_args(bpe_files, [path], ro / "out"), capsys,
                     rf"--output-prefix {ro}/out: cannot write to {ro} \(it is on a read-only filesystem\);")
-    finally:
-        subprocess.run(["umount", str(ro)], check=True)
 
 
 def test_split_sentences_trains_punkt_on_the_input(tmp_path, capsys):

@@ -15,6 +15,7 @@ import torch
 
 import zero_cache
 from tests.dist_utils import run_distributed
+from tests.tmpfs import mounted_tmpfs
 from tests.zero_cache.common import (
     STEPS,
     assert_close_losses,
@@ -290,35 +291,22 @@ def test_unwritable_nvme_path_is_a_clear_error(tmp_path):
     with pytest.raises(SSDTierError, match="is not a writable directory") as e:
         _engine(_nvme_config(1, str(blocker / "nvme")))
     assert str(blocker / "nvme") in str(e.value)
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(ro)], check=True)
-    try:
+    with mounted_tmpfs(tmp_path / "ro", "1m", read_only=True) as ro:
         with pytest.raises(SSDTierError, match=f"nvme_path '{ro}/swap' is on a read-only filesystem \\('{ro}' is "
                                                f"mounted read-only\\); point .*nvme_path at a writable directory"):
             _engine(_nvme_config(1, str(ro / "swap")))
-    finally:
-        subprocess.run(["umount", str(ro)], check=True)
 
 
 def test_small_read_only_filesystem_is_reported_as_read_only_not_as_full(tmp_path):
     """Its free space is below the states' size: the space check alone would blame the size of the disk."""
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k,ro", "tmpfs", str(ro)], check=True)
-    try:
+    with mounted_tmpfs(tmp_path / "ro", "16k", read_only=True) as ro:
         with pytest.raises(SSDTierError, match="read-only filesystem") as e:
             _engine(_nvme_config(1, str(ro)))
         assert "budget" not in str(e.value) and "space" not in str(e.value)
-    finally:
-        subprocess.run(["umount", str(ro)], check=True)
 
 
 def test_full_disk_is_a_clear_error_with_bytes_needed_and_free(tmp_path):
-    small = tmp_path / "small"
-    small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
-    try:
+    with mounted_tmpfs(tmp_path / "small", "1m") as small:
         store = _store(small)
         store.allocate("c0.exp_avg", "optimizer", "nvme", 100_000, torch.float32)  # 400 KB fits
         with pytest.raises(SSDTierError, match=r"no space left for '.*c1.exp_avg.swp': 2101248 bytes needed, "
@@ -327,8 +315,6 @@ def test_full_disk_is_a_clear_error_with_bytes_needed_and_free(tmp_path):
         assert torch.equal(store.read("c0.exp_avg"), torch.zeros(100_000))  # what fitted is intact
         store.close()
         assert os.listdir(small / SWAP_DIR) == []
-    finally:
-        subprocess.run(["umount", str(small)], check=True)
 
 
 def test_stale_swap_dirs_of_dead_processes_are_removed(tmp_path):

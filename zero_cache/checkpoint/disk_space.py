@@ -39,7 +39,7 @@ def no_space_error(path: str, needed: int | None = None) -> CheckpointError:
 
 def check_free(path: str, needed: int) -> None:
     """Raise the no-space error before a write of ``needed`` bytes that cannot fit."""
-    if needed > free_bytes(path):
-        raise CheckpointError(f"no space left on the filesystem of {path}: {needed} bytes needed, "
-                              f"{free_bytes(path)} bytes free; nothing was written; free space there or save "
-                              f"elsewhere (--save)")
+    free = free_bytes(path)
+    if needed > free:
+        raise CheckpointError(f"no space left on the filesystem of {path}: {needed} bytes needed, {free} bytes "
+                              f"free; nothing was written; free space there or save elsewhere (--save)")
