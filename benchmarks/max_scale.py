@@ -3,18 +3,23 @@
     python -m benchmarks.max_scale --nvme-path /tmp/zc_maxscale              # ours at 5.0B + both at 1.04B
     python -m benchmarks.max_scale --ours-sizes 3.6 5.0 --compare-size 1.04  # more capacity attempts
     python -m benchmarks.max_scale --rerun-deepspeed-capacity 0.74:cpu 2.5:nvme 2.7:nvme   # ~15 min each
+    python -m benchmarks.max_scale --ours-sizes --compare-size 0.23   # the comparison at 2 layers (minutes)
 
 The family is the one the recorded DeepSpeed capacity figures were measured on: GPT, hidden 2048, 16 heads, FFN 4x,
 vocabulary 32000 with an untied output layer, sequence 256, micro-batch 1, 2 ranks on gloo, fp32, full
 activation recomputation, the number of layers grown (size in billions -> layers: 50.4M per layer + 131.6M
-of embeddings). Every attempt trains 3 optimizer steps.
+of embeddings). Every attempt trains 3 optimizer steps of AdamW (lr 1e-4 constant, no warm-up, weight decay 0.1
+on matrices, betas 0.9/0.95, gradient norm clipped at 1) on the trainer's ``--mock-data`` tokens, seed 1234.
 
 - Ours: `pretrain_gpt.py --deepspeed` (the product path: the model is built on the meta device and sharded
   chunk by chunk) with the config ``tools/plan_memory.py`` chooses for that size on this machine: the
   fastest that fits for the capacity attempts, every state on SSD (``--offload nvme``) for the s/step
   comparison; its training log is kept for ``tools/plot_run.py``.
 - DeepSpeed: ``benchmarks/peer_workers`` (the same GPTModel built under ``deepspeed.zero.Init``) in the
-  peers' venv (``source benchmarks/peers_env.sh`` once), given the same offload JSON with the planner's
+  peers' venv (``source benchmarks/peers_env.sh`` once). It gets what the trainer builds and reads: the
+  vocabulary padded as the trainer pads it (32000 + eod -> 32128 rows), the same per-parameter seeds, the
+  trainer's mock samples in the trainer's order and the same optimizer, so both start from the same weights
+  and their losses (the comparison's last column) agree. It is given the same offload JSON with the planner's
   memory-bounding ``stage3_*`` / ``reduce_bucket_size`` values for that size (DeepSpeed's defaults keep up
   to 1e9 parameters gathered).
 - Capacity of DeepSpeed is not a noisy figure and an attempt takes ~15 minutes, so it is cached with
@@ -48,7 +53,8 @@ from dataclasses import asdict, dataclass, field
 
 import psutil
 
-from benchmarks.peer_workers.harness import LOGS_DIR, PEERS_PYTHON, RESULTS_DIR, ROOT, BenchSpec, worker_env
+from benchmarks.peer_workers.harness import BETAS, EPS, LOGS_DIR, PEERS_PYTHON, RESULTS_DIR, ROOT, BenchSpec, worker_env
+from megatron.training.config import padded_vocab_size
 from tools.plot_run import LogParseError, parse_log
 
 RECORDED_CACHE = os.path.join(ROOT, "benchmarks", "max_scale_deepspeed.json")  # the recorded attempts (in git)
@@ -56,6 +62,10 @@ CACHE_NAME = "deepspeed_capacity.json"  # in --log-dir: the cache as --rerun-dee
 HIDDEN, HEADS, FFN, VOCAB, SEQ, RANKS, STEPS = 2048, 16, 8192, 32000, 256, 2, 3
 PER_LAYER = 12 * HIDDEN * HIDDEN + 13 * HIDDEN  # attention + MLP matrices, biases, two LayerNorms
 FIXED = 2 * VOCAB * HIDDEN + SEQ * HIDDEN + 2 * HIDDEN  # word embeddings, untied head, positions, final norm
+# The trainer's model: NullTokenizer adds eod to the vocabulary, padded to a multiple of 128 (32128 rows).
+MODEL_VOCAB = padded_vocab_size(VOCAB + 1, 128, 1)
+# Both systems' optimizer: AdamW at a constant learning rate (no warm-up, no decay), clipped at norm 1.
+LR, WEIGHT_DECAY, CLIP_GRAD, SEED = 1e-4, 0.1, 1.0, 1234
 
 
 def layers_for(billions: float) -> int:
@@ -74,6 +84,7 @@ class Attempt:
     params: int
     ok: bool = False
     step_s: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # the global batch's mean loss, per step
     peak_mem_gib: float = 0.0
     peak_disk_gib: float = 0.0
     setup_s: float = 0.0
@@ -184,26 +195,30 @@ def run_ours(layers: int, offload: str, a, log_dir: str, cache_rate: float | Non
     att.log = os.path.join(log_dir, f"ours_{offload}_{layers}l_rate{rate}.log")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
            "pretrain_gpt.py", *model_args,
-           "--global-batch-size", str(RANKS), "--train-iters", str(STEPS), "--lr", "1e-4",
+           "--global-batch-size", str(RANKS), "--train-iters", str(STEPS), "--seed", str(SEED),
+           "--lr", str(LR), "--lr-decay-style", "constant", "--weight-decay", str(WEIGHT_DECAY),
+           "--adam-beta1", str(BETAS[0]), "--adam-beta2", str(BETAS[1]), "--adam-eps", str(EPS),
+           "--clip-grad", str(CLIP_GRAD),
            "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data", "--tokenizer-type", "NullTokenizer",
            "--vocab-size", str(VOCAB), "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
            "--distributed-backend", "gloo", "--deepspeed", "--deepspeed_config", cfg]
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
     t0 = time.perf_counter()
     rc, att.peak_mem_gib, att.peak_disk_gib = _run_job(cmd, att.log, a.nvme_path, a.timeout, env)
-    att.step_s = _iteration_seconds(att.log)
+    att.step_s, att.losses = _logged_steps(att.log)
     att.ok = rc == 0 and len(att.step_s) == STEPS
     att.setup_s = time.perf_counter() - t0 - sum(att.step_s)
     att.note = "" if att.ok else f"exit {rc}: {_tail(att.log)}"
     return att
 
 
-def _iteration_seconds(log_path: str) -> list[float]:
-    """Seconds of every logged iteration (the trainer logs each one here: --log-interval 1)."""
+def _logged_steps(log_path: str) -> tuple[list[float], list[float]]:
+    """Seconds and lm loss of every logged iteration (the trainer logs each one here: --log-interval 1)."""
     try:
-        return parse_log(log_path).step_time_s
+        run = parse_log(log_path)
     except LogParseError:  # the job died before its first iteration
-        return []
+        return [], []
+    return run.step_time_s, run.lm_loss
 
 
 # The zero_optimization keys both engines read that bound live memory: DeepSpeed gets the planner's values for
@@ -234,14 +249,17 @@ def run_deepspeed(layers: int, offload: str, a, log_dir: str) -> Attempt:
         zero_keys = {}
     job = os.path.join(log_dir, f"deepspeed_{offload}_{layers}l")
     os.makedirs(job, exist_ok=True)
-    spec = BenchSpec(layers=layers, hidden=HIDDEN, heads=HEADS, vocab=VOCAB, seq=SEQ, micro_batch=1,
-                     global_batch=RANKS, steps=STEPS - 1, warmup=1, lr=1e-4, weight_decay=0.1, clip_grad=1.0,
-                     seed=1234, page_size=26_000_000, threads=a.threads, offload_device=offload,
+    # The trainer's model, seed, batches and optimizer (run_ours), so both start from the same weights and
+    # their losses agree as at 100M.
+    spec = BenchSpec(layers=layers, hidden=HIDDEN, heads=HEADS, vocab=MODEL_VOCAB, seq=SEQ, micro_batch=1,
+                     global_batch=RANKS, steps=STEPS - 1, warmup=1, lr=LR, weight_decay=WEIGHT_DECAY,
+                     clip_grad=CLIP_GRAD, seed=SEED, page_size=26_000_000, threads=a.threads, offload_device=offload,
                      nvme_path=a.nvme_path, sub_group_size=10_000_000, untie_embeddings=True, recompute=True,
                      # DeepSpeed's parameter swap buffers (5 of them) must each hold the largest parameter
-                     # (the 65.5M-element embedding); its default, 1e8 elements, costs 2 GB per rank. And
+                     # (the 65.8M-element embedding); its default, 1e8 elements, costs 2 GB per rank. And
                      # max_in_cpu (default 1e9 elements: 4 GB per rank) keeps parameters in RAM besides.
-                     param_buffer_size=VOCAB * HIDDEN, param_max_in_cpu=0, zero_keys=zero_keys)
+                     param_buffer_size=MODEL_VOCAB * HIDDEN, param_max_in_cpu=0, zero_keys=zero_keys,
+                     mock_data_vocab=VOCAB)
     spec_path = os.path.join(job, "spec.json")
     spec.save(spec_path)
     att.log = os.path.join(job, "log.txt")
@@ -255,7 +273,7 @@ def run_deepspeed(layers: int, offload: str, a, log_dir: str) -> Attempt:
     if rc == 0 and os.path.exists(result):
         with open(result, encoding="utf-8") as f:
             r = json.load(f)
-        att.ok, att.step_s, att.setup_s = True, r["step_s"], r["setup_s"]
+        att.ok, att.step_s, att.losses, att.setup_s = True, r["step_s"], r["losses"], r["setup_s"]
     else:
         att.note = f"exit {rc}: {_tail(att.log)}"
     return att
@@ -321,14 +339,17 @@ def table(ours: list[Attempt], ds_cached: list[dict], compare: list[Attempt]) ->
     if compare:
         out += ["", "### Seconds per step at a common size, same run (states on SSD)", "",
                 "| system | layers | params (B) | s/step (steps 2-3) | first step (s) | set-up (s) | peak memory "
-                "(GiB) | disk (GiB) | speed-up vs DeepSpeed |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                "(GiB) | disk (GiB) | speed-up vs DeepSpeed | loss per step |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         ds = next((a for a in compare if a.system == "deepspeed" and a.ok), None)
         for att in compare:
             speed = (f"{ds.steady_s / att.steady_s:.2f}x" if ds is not None and att.ok and att.steady_s else "-")
             first = _fmt_s(att.step_s[0]) if att.step_s else "-"
             steady = _fmt_s(att.steady_s) if att.ok else "failed: " + att.note[:120]
+            losses = ", ".join(f"{x:.6f}" for x in att.losses) or "-"
             out.append(f"| {att.system} | {att.layers} | {att.params / 1e9:.2f} | {steady} "
-                       f"| {first} | {att.setup_s:.0f} | {att.peak_mem_gib:.1f} | {att.peak_disk_gib:.1f} | {speed} |")
+                       f"| {first} | {att.setup_s:.0f} | {att.peak_mem_gib:.1f} | {att.peak_disk_gib:.1f} | {speed} "
+                       f"| {losses} |")
     return "\n".join(out)
 
 

@@ -21,8 +21,10 @@ class DeepSpeedTrainer:
     def __init__(self, model: torch.nn.Module, spec: BenchSpec, gas: int, offload: bool):
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, spec.weight_decay),
                                                config=spec.ds_config(dist.get_world_size(), offload))
-        # DeepSpeed's rule for a parameter used outside its module's forward (the tied output head).
-        deepspeed.zero.register_external_parameter(model.output_layer, model.embedding.word_embeddings.weight)
+        # DeepSpeed's rule for a parameter used outside its module's forward (the tied output head); an untied
+        # head reads its own weight, and registering the embedding would gather it there for nothing.
+        if model.output_layer.weight is None:
+            deepspeed.zero.register_external_parameter(model.output_layer, model.embedding.word_embeddings.weight)
 
     def micro_batch(self, tokens, position_ids, labels, last: bool) -> torch.Tensor:
         # DeepSpeed counts micro-batches itself and updates at its accumulation boundary: it must be ours.

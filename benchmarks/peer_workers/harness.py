@@ -70,6 +70,9 @@ class BenchSpec:
     # zero_optimization keys both engines read (stage3_max_live_parameters, reduce_bucket_size, ...); empty:
     # their defaults. Max-scale runs give DeepSpeed the values the planner chose for ours.
     zero_keys: dict = dataclasses.field(default_factory=dict)
+    # 0: Zipf tokens (synthetic_tokens). N: the samples `pretrain_gpt.py --mock-data --tokenizer-type
+    # NullTokenizer --vocab-size N` trains on (ids below N, eod N), so a system here sees the trainer's batches.
+    mock_data_vocab: int = 0
 
     @classmethod
     def load(cls, path: str) -> "BenchSpec":
@@ -144,7 +147,16 @@ def build_model(spec: BenchSpec) -> torch.nn.Module:
 
 
 def synthetic_tokens(spec: BenchSpec) -> torch.Tensor:
-    """[steps, global batch, seq + 1] tokens drawn from a Zipf-like unigram law (learnable, so the loss moves)."""
+    """[steps, global batch, seq + 1] tokens drawn from a Zipf-like unigram law (learnable, so the loss moves),
+    or the trainer's mock samples (``spec.mock_data_vocab``)."""
+    if spec.mock_data_vocab:
+        from megatron.data.mock_dataset import MockGPTDataset
+
+        # The trainer reads train samples 0, 1, ... in order, one global batch per step (data_samplers.py).
+        n = (spec.warmup + spec.steps) * spec.global_batch
+        data = MockGPTDataset("train", n, spec.seq, spec.mock_data_vocab + 1, spec.seed, eod=spec.mock_data_vocab)
+        return torch.stack([torch.from_numpy(data[i]["text"]) for i in range(n)]).view(
+            spec.warmup + spec.steps, spec.global_batch, spec.seq + 1)
     weights = 1.0 / torch.arange(1, spec.vocab + 1, dtype=torch.float64)
     n = (spec.warmup + spec.steps) * spec.global_batch * (spec.seq + 1)
     g = torch.Generator().manual_seed(spec.seed)

@@ -9,6 +9,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from benchmarks import max_scale
 from megatron.core.transformer_config import TransformerConfig
@@ -44,6 +45,35 @@ def test_table_ratios():
     assert "| ours | nvme | 69 | 3.61 | yes | 210.0 |" in text  # median of the steps after the first
     assert "ours 3.61B, DeepSpeed 1.79B (2.01x)" in text
     assert "| 2.18x |" in text  # median(110, 130) / median(50, 60)
+
+
+def test_deepspeed_trains_on_the_trainers_vocabulary_and_batches():
+    """The harness's mock tokens are the samples pretrain_gpt.py --mock-data reads, micro-batch by micro-batch and
+    rank by rank (2 micro-batches per rank here), and the model's vocabulary is the trainer's padded one."""
+    from benchmarks.peer_workers.harness import BenchSpec, synthetic_tokens
+    from megatron.data import DataConfig, build_pretraining_data_loader, build_train_valid_test_datasets
+    from megatron.tokenizer import build_tokenizer
+    from megatron.tokenizer.config import TokenizerConfig
+    from megatron.training.config import padded_vocab_size
+
+    seq, world, micro, steps = 16, 2, 1, 3
+    spec = BenchSpec(layers=1, hidden=8, heads=2, vocab=max_scale.MODEL_VOCAB, seq=seq, micro_batch=micro,
+                     global_batch=4, steps=steps - 1, warmup=1, lr=max_scale.LR, weight_decay=max_scale.WEIGHT_DECAY,
+                     clip_grad=max_scale.CLIP_GRAD, seed=max_scale.SEED, page_size=1, threads=1,
+                     mock_data_vocab=max_scale.VOCAB)
+    tokenizer = build_tokenizer(TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=max_scale.VOCAB))
+    assert padded_vocab_size(tokenizer.vocab_size, 128, 1) == spec.vocab
+    train, _, _ = build_train_valid_test_datasets(DataConfig(mock_data=True), tokenizer, seq,
+                                                  (steps * spec.global_batch, 0, 0), max_scale.SEED,
+                                                  vocab_size=tokenizer.vocab_size)
+    tokens, gas = synthetic_tokens(spec), spec.grad_accumulation(world)
+    assert (tokens == tokenizer.eod).any()  # the trainer's documents end with eod
+    for rank in range(world):
+        batches = iter(build_pretraining_data_loader(train, 0, micro, rank, world, 0))
+        for step in range(steps):
+            for m in range(gas):
+                first = (m * world + rank) * micro
+                assert torch.equal(next(batches)["text"], tokens[step, first:first + micro])
 
 
 def test_capacity_cache_reads_the_recorded_attempts_and_writes_to_the_log_folder(tmp_path):
