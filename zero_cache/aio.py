@@ -1,7 +1,7 @@
 """SSD tier I/O: checksummed, block-aligned page files, aligned host buffers and a pool of I/O threads.
 
-A *page file* holds one shard: a 4 KiB header (magic, key, dtype, element count, payload bytes, CRC-32 of
-the payload) followed by the payload padded to a multiple of 4 KiB, so every read and write is
+A *page file* holds one shard: a 4 KiB header (magic, key, dtype, element count, payload bytes, XXH3-64
+checksum of the payload) followed by the payload padded to a multiple of 4 KiB, so every read and write is
 block-aligned and can bypass the page cache with ``O_DIRECT`` (where the filesystem refuses it the file
 is reopened without, once, with a warning). Payloads move between the file and *aligned buffers*
 (anonymous ``mmap`` memory: page-aligned, as ``O_DIRECT`` requires) in ``aio.block_size`` pieces with
@@ -11,8 +11,9 @@ is reopened without, once, with a warning). Payloads move between the file and *
 (submitting more blocks the caller: bounded memory), and records each job's busy interval so callers can
 measure how much I/O time their compute hid. A job moves its file's blocks on a pool of that many block
 threads (DeepSpeed's aio meaning of the two keys: requests outstanding per thread, times threads) and
-chains the CRC-32 over the blocks in order while later ones are still moving, so the checksum costs no
-I/O time.
+chains the checksum over the blocks in order while later ones are still moving, so it costs no I/O time.
+The checksum is XXH3-64 (the ``xxhash`` package, which releases the GIL): it runs at 6-10 GB/s on one
+core here, where zlib's CRC-32 runs at 1.5 GB/s, slower than the disk reads, and it is 64 bits wide.
 Checkpoints move byte ranges of a page file instead (``read_span`` / ``write_span``, in the caller's
 thread), through a buffer of one block, so a shard never has to fit in host memory whole.
 A truncated or corrupted page file, or a full disk, is an ``SSDTierError`` naming the file.
@@ -27,11 +28,11 @@ import shutil
 import struct
 import threading
 import time
-import zlib
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from typing import Callable
 
 import torch
+import xxhash
 
 from .config import AioConfig
 
@@ -39,8 +40,8 @@ logger = logging.getLogger(__name__)
 
 ALIGN = 4096
 HEADER_BYTES = ALIGN
-MAGIC = b"ZCPAGE01"
-_HEADER = struct.Struct("<8sQQQIH")  # magic, numel, payload bytes, capacity, crc32, key length
+MAGIC = b"ZCPAGE02"
+_HEADER = struct.Struct("<8sQQQQH")  # magic, numel, payload bytes, capacity, XXH3-64 of the payload, key length
 
 
 class SSDTierError(RuntimeError):
@@ -150,10 +151,10 @@ class PageFile:
         self.capacity = round_up(max(self.payload, 1))
         self.file_bytes = HEADER_BYTES + self.capacity
         self.direct = direct
-        self.crc_known = True  # False while range writes have left the header's CRC-32 stale
+        self.crc_known = True  # False while range writes have left the header's checksum stale
         self.io_checked = False  # a request went through: O_DIRECT is not refused at I/O time
-        self._read_pass: tuple[int, int] | None = None  # (next byte, running CRC-32) of a pass of range reads
-        self._write_pass: tuple[int, int] | None = None
+        self._read_pass: tuple[int, xxhash.xxh3_64] | None = None  # (next byte, running checksum) of range reads
+        self._write_pass: tuple[int, xxhash.xxh3_64] | None = None
         self.fd = self._open(create=True)
         try:
             os.posix_fallocate(self.fd, 0, self.file_bytes)
@@ -207,14 +208,14 @@ class PageFile:
 
     def _io_pieces(self, write: bool, mv: memoryview, offset: int, block: int, pool: Executor | None,
                    crc_bytes: int, header: Callable[[], int] | None = None) -> tuple[int, int | None]:
-        """Move ``mv`` in ``block`` pieces, concurrently on ``pool`` when given. Returns the CRC-32 of its first
+        """Move ``mv`` in ``block`` pieces, concurrently on ``pool`` when given. Returns the checksum of its first
         ``crc_bytes`` bytes, chained piece by piece in order as they complete (reads) or are queued (writes),
         and what ``header`` returned (a read's header check, run in this thread while the pieces move)."""
         pieces = [(start, min(start + block, len(mv))) for start in range(0, len(mv), block)]
         if pool is None or len(pieces) == 1:
             recorded = header() if header is not None else None
             self._io(write, mv, offset, block)
-            return zlib.crc32(mv[:crc_bytes]), recorded
+            return xxhash.xxh3_64_intdigest(mv[:crc_bytes]), recorded
         first = 0
         if not self.io_checked:  # one request alone first: O_DIRECT may be refused there, reopening the file
             a, b = pieces[0]
@@ -222,19 +223,20 @@ class PageFile:
             self.io_checked, first = True, 1
         futures = [None] * first
         futures += [pool.submit(self._io, write, mv[a:b], offset + a, block) for a, b in pieces[first:]]
-        crc, crc_left = 0, crc_bytes
+        crc, crc_left = xxhash.xxh3_64(), crc_bytes
         try:
             recorded = header() if header is not None else None
             for (a, b), f in zip(pieces, futures):
                 if f is not None and not write:
                     f.result()
                 take = min(b - a, crc_left)
-                crc, crc_left = zlib.crc32(mv[a:a + take], crc), crc_left - take
+                crc.update(mv[a:a + take])
+                crc_left -= take
             for f in futures[first:]:
                 f.result()
         finally:  # never return while a request still uses the caller's buffer
             wait(futures[first:])
-        return crc, recorded
+        return crc.intdigest(), recorded
 
     def write(self, buf: AlignedBuffer, block: int, pool: Executor | None = None) -> None:
         """Write ``buf``'s first ``payload`` bytes (its tail up to capacity is padding) and a fresh header."""
@@ -251,7 +253,7 @@ class PageFile:
         self.crc_known = True
 
     def _header_crc(self) -> int:
-        """Check the file size and the header; the payload CRC-32 the header records."""
+        """Check the file size and the header; the payload checksum the header records."""
         size = os.fstat(self.fd).st_size
         if size < self.file_bytes:
             raise SSDTierError(f"SSD tier: page file '{self.path}' is truncated: {size} bytes, expected "
@@ -266,11 +268,11 @@ class PageFile:
         return crc
 
     def _check_crc(self, got: int, recorded: int) -> None:
-        if not self.crc_known:  # range writes left the header's CRC stale: this full pass re-establishes it
+        if not self.crc_known:  # range writes left the header's checksum stale: this full pass re-establishes it
             self._write_header(got)
         elif got != recorded:
-            raise SSDTierError(f"SSD tier: page file '{self.path}' is corrupted: payload CRC-32 {got:#010x}, "
-                               f"header says {recorded:#010x} (shard '{self.key}')")
+            raise SSDTierError(f"SSD tier: page file '{self.path}' is corrupted: payload checksum {got:#018x}, "
+                               f"header says {recorded:#018x} (shard '{self.key}')")
 
     def read(self, buf: AlignedBuffer, block: int, pool: Executor | None = None) -> None:
         """Fill ``buf`` with the payload; verify file size, header and checksum first/after."""
@@ -280,12 +282,12 @@ class PageFile:
 
     # ---- byte ranges (checkpoints) ----------------------------------------------------------------------
     # A range lives in ``buf`` at its offset from ``start`` rounded down to 4 KiB, so whole pages move.
-    # Consecutive ranges from byte 0 to the end form a *pass* whose running CRC-32 verifies the payload
-    # (reads) or becomes the header's (writes). Any other write makes the header's CRC stale until the
-    # next full read or read pass, which records the CRC it computes.
+    # Consecutive ranges from byte 0 to the end form a *pass* whose running checksum verifies the payload
+    # (reads) or becomes the header's (writes). Any other write makes the header's checksum stale until the
+    # next full read or read pass, which records the checksum it computes.
 
     def read_span(self, buf: AlignedBuffer, start: int, stop: int, block: int) -> None:
-        """Payload bytes [start, stop) into ``buf``; file size and header checked, CRC-32 at the end of a pass."""
+        """Payload bytes [start, stop) into ``buf``; file size and header checked, checksum at the end of a pass."""
         recorded = self._header_crc()
         base = start - start % ALIGN
         mv = memoryview(buf.mm)[:round_up(stop) - base]
@@ -293,7 +295,7 @@ class PageFile:
         running = _extend(self._read_pass, start, mv[start - base:stop - base])
         self._read_pass = (stop, running) if running is not None and stop < self.payload else None
         if running is not None and stop == self.payload:
-            self._check_crc(running, recorded)
+            self._check_crc(running.intdigest(), recorded)
 
     def fill_edges(self, buf: AlignedBuffer, start: int, stop: int) -> None:
         """Read the partly covered first and last pages of [start, stop) into ``buf`` before ``write_span``
@@ -316,7 +318,7 @@ class PageFile:
         self.crc_known = False
         self._write_pass = (stop, running) if running is not None and stop < self.payload else None
         if running is not None and stop == self.payload:
-            self._write_header(running)
+            self._write_header(running.intdigest())
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -324,13 +326,17 @@ class PageFile:
             self.fd = -1
 
 
-def _extend(progress: tuple[int, int] | None, start: int, data: memoryview) -> int | None:
-    """Running CRC-32 of a pass after ``data`` (payload bytes from ``start``); None when it does not continue one."""
+def _extend(progress: tuple[int, xxhash.xxh3_64] | None, start: int, data: memoryview) -> xxhash.xxh3_64 | None:
+    """The running checksum of a pass after ``data`` (payload bytes from ``start``); None when it does not
+    continue one."""
     if start == 0:
-        return zlib.crc32(data)
-    if progress is not None and progress[0] == start:
-        return zlib.crc32(data, progress[1])
-    return None
+        running = xxhash.xxh3_64()
+    elif progress is not None and progress[0] == start:
+        running = progress[1]
+    else:
+        return None
+    running.update(data)
+    return running
 
 
 def spans(start: int, stop: int, window: int):

@@ -9,7 +9,8 @@ chunk c's padded element count times the bytes per element. Per step, on a data-
   chunk gathered between two uses, so the measurement may be lower. A resident chunk (every chunk of
   stages 1 and 2, small stage-3 parameters) is all-gathered once after each applied update, when every
   rank has updated its slice.
-- reduce-scatter: stages 2 and 3 reduce every chunk's gradient once per micro-batch, in the compute dtype;
+- reduce-scatter: stages 2 and 3 reduce every chunk's gradient once per micro-batch, in the compute dtype,
+  less the passes a chunk's buffer was held into the next one (``held_passes``, see grad_reducer.py);
   stage 1 sums the micro-batches into fp32 buffers and reduces every chunk once per step, 4 bytes per
   element.
 - all-reduce: one, of the gradient's sum of squares and the overflow flag (two float64).
@@ -19,7 +20,7 @@ With N = 1 there is no peer and nothing is communicated.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from .comm import CollectiveTotals
 from .partition import ChunkPlan
@@ -29,13 +30,16 @@ FP32_BYTES = 4
 
 
 def zero_step_theory(plans: Sequence[ChunkPlan], *, stage: int, element_size: int, dp_size: int,
-                     micro_batches: int, param_updates: int) -> dict[str, CollectiveTotals]:
+                     micro_batches: int, param_updates: int,
+                     held_passes: Mapping[int, int] | None = None) -> dict[str, CollectiveTotals]:
     """Count and bytes per collective kind for one step.
 
     element_size: bytes per element of the compute dtype (parameters and stage-2/3 gradients).
     micro_batches: backward passes this step (gradient_accumulation_steps when every micro-batch ran).
     param_updates: times the resident chunks are re-gathered: 1 after an applied update, 0 after a
     skipped (overflowed) one.
+    held_passes: chunk index -> backward passes that ended with its gradient buffer held for the next pass
+    (stages 2 and 3): that many fewer reduce-scatters of it.
     """
     if stage not in (1, 2, 3):
         raise ValueError(f"zero_step_theory: stage must be 1, 2 or 3, got {stage}")
@@ -54,6 +58,10 @@ def zero_step_theory(plans: Sequence[ChunkPlan], *, stage: int, element_size: in
     if stage == 1:
         reduce_scatter = CollectiveTotals(len(every), sum(every) * FP32_BYTES)
     else:
-        reduce_scatter = CollectiveTotals(micro_batches * len(every), micro_batches * sum(every) * element_size)
+        held = held_passes or {}
+        saved = sum(held.values())
+        saved_elems = sum(n * plans[c].padded for c, n in held.items())
+        reduce_scatter = CollectiveTotals(micro_batches * len(every) - saved,
+                                          (micro_batches * sum(every) - saved_elems) * element_size)
     return {"all_gather": all_gather, "reduce_scatter": reduce_scatter,
             "all_reduce": CollectiveTotals(1, NORM_ALL_REDUCE_BYTES)}

@@ -206,6 +206,7 @@ class ZeroEngine:
         if lr is not None:
             self.optimizer.lr = lr
         self.reducer.end_step()
+        held_passes = self.reducer.held_passes  # new_step() below starts a new record
         if self.coordinator is not None:
             self.coordinator.end_step()
         if self._update_thread is None:
@@ -241,7 +242,8 @@ class ZeroEngine:
         if self.profiler.enabled:
             comm = self.profiler.end_step(zero_step_theory(
                 self.plans, stage=self.config.zero_optimization.stage, element_size=self.dtype.itemsize,
-                dp_size=self.comm.size, micro_batches=self._backward_passes, param_updates=refreshes))
+                dp_size=self.comm.size, micro_batches=self._backward_passes, param_updates=refreshes,
+                held_passes=held_passes))
             if self.global_steps % self.config.steps_per_print == 0 or overflow:
                 logger.info("zero_cache comm step %d: %s", self.global_steps, comm.line())
                 self.profiler.events.clear()  # the ordered trace spans one print interval
@@ -374,6 +376,7 @@ class ZeroEngine:
             self._update_thread.shutdown(wait=True)
         if self.lane is not None:
             self.lane.close()
+        self.optimizer.close()
         self.streams.close()
         self.store.close()
 

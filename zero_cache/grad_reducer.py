@@ -6,9 +6,12 @@ buffer and drops ``param.grad``. Two accumulation modes (docs/zero_cache/design.
 - ``shard`` (stages 2 and 3, DeepSpeed's way): when every parameter of a chunk has its gradient for the
   current backward pass, the chunk buffer (compute dtype) is reduce-scattered asynchronously and the
   result is added into this rank's fp32 gradient shard (the step's first fp32 result is received straight
-  into it). At most ``max_param_reduce_events`` reductions
-  are in flight (0 = wait for each at once). Per-step memory: the 4 B/param / N shard plus the buffers
-  of the chunks being reduced; communication: one reduce-scatter per chunk per micro-batch.
+  into it). At most ``max_param_reduce_events`` reductions are in flight (0 = wait for each at once).
+  With gradient accumulation and fp32 buffers, the chunks whose gradients complete last in a backward pass
+  (at most ``max(1, max_param_reduce_events)``) keep their buffer until the step's last pass, which
+  reduces them once: their reduce-scatters would otherwise run exposed at the end of every pass. Per-step
+  memory: the 4 B/param / N shard plus the buffers of the chunks being reduced or held; communication:
+  one reduce-scatter per chunk per micro-batch, one per step for the held chunks.
 - ``full`` (stage 1): gradients are summed over micro-batches into full-size fp32 buffers and reduced
   once per step. Memory: 4 B/param unsharded; communication: one reduce-scatter per chunk per step.
 
@@ -107,10 +110,18 @@ class GradReducer:
         self.on_final = on_final  # chunk c's gradient shard is final (called where it was accumulated)
         self.on_change = on_change  # chunk c's shard is about to change again (host lane, before the change)
         self.on_final_sent = on_final_sent  # chunk c's final result was sent to the host lane (training thread)
-        # Chunk gradient buffers whose reduction finished, reused by the next chunks of the same size:
-        # fresh allocations of this size are mmapped and page-faulted in on every backward. Dropped before
-        # the optimizer step, so they never outlive the backward passes.
+        # Chunk gradient buffers whose reduction finished, reused by the next chunks of the same size, in this
+        # pass and the next steps': a fresh allocation of this size is mmapped, page-faulted in and unmapped
+        # again every step. At most max(1, max_events), the reductions in flight (as a caching allocator would).
         self.spare: list[torch.Tensor] = []
+        # Shard mode with fp32 buffers: chunks whose gradients completed in a pass that is not the step's last
+        # keep their buffer, which the next passes add into, and are reduce-scattered once, in the last pass:
+        # one reduction per step instead of one per micro-batch. At most max(1, max_events) are held, those
+        # that completed last (the earlier ones are reduced at once, behind the backward that is still running).
+        self.held: list[int] = []
+        self.max_held = max(1, max_events)
+        self.held_passes: dict[int, int] = {}  # chunk -> passes of this step it ended held (reductions saved)
+        self.keep: set[int] = set()  # held at the end of the last such pass: they complete last, so stay held
         self._hooks = []
         for c in chunks:
             for s in c.plan.slots:
@@ -149,11 +160,23 @@ class GradReducer:
         self.fired[c] += 1
         if self.fired[c] == self.expected[c]:
             if self.mode == "shard":
-                self._reduce(c)
+                self._complete(c)
             if self.on_chunk_done is not None:
                 self.on_chunk_done(c)
 
+    def _complete(self, c: int) -> None:
+        """Chunk ``c`` has every gradient of this pass: hold its buffer for the next pass, or reduce it."""
+        if self.final_pass or self.buffers[c].dtype != torch.float32:  # 16-bit buffers: accumulate in fp32 shards
+            self._reduce(c)
+            return
+        if c not in self.held:
+            self.held.append(c)
+        while len(self.held) > self.max_held:
+            self._reduce(next((h for h in self.held if h not in self.keep), self.held[0]))
+
     def _reduce(self, c: int) -> None:
+        if c in self.held:
+            self.held.remove(c)
         buf = self.buffers.pop(c)
         written = self.written.pop(c)
         plan = self.chunks[c].plan
@@ -257,7 +280,12 @@ class GradReducer:
         """Autograd final callback: reduce partially-filled chunks (in chunk order) and drain."""
         if self.mode == "shard":
             for c in sorted(self.buffers):
-                self._reduce(c)
+                if c not in self.held or self.final_pass:
+                    self._reduce(c)
+            if not self.final_pass:
+                self.keep = set(self.held)
+                for c in self.held:
+                    self.held_passes[c] = self.held_passes.get(c, 0) + 1
         while self.pending:
             self._finish()
         if self.lane is not None:  # host-side gradient work stays on the lane, in order
@@ -273,9 +301,11 @@ class GradReducer:
 
     def end_step(self) -> None:
         """Before the optimizer step: finish this step's reduction and sum tied gradients across groups."""
+        for c in list(self.held):  # the step came before the pass the engine expected to be its last
+            self.held_passes[c] -= 1  # this reduction is that pass's
+            self._reduce(c)
         self.end_backward()
         self.drain()
-        self.spare.clear()
         if self.mode == "full":
             for c in sorted(self.buffers):
                 buf = self.buffers[c]
@@ -320,5 +350,6 @@ class GradReducer:
     def new_step(self) -> None:
         """The step consumed (or discarded) the gradients: the next step's first results overwrite them."""
         self.fresh = [True] * len(self.chunks)
+        self.held_passes = {}
         self.ssd_stats.clear()
         self.stats = [None] * len(self.chunks)

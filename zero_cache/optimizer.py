@@ -25,7 +25,7 @@ I/O hidden by compute).
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +92,7 @@ class ShardedAdam:
         self._write_events: list = []
         self._reading: dict[int, object] = {}  # chunk -> source_free of a write-back copy reading its master
         self._after_compute: tuple = ()
+        self._write_pool: ThreadPoolExecutor | None = None  # pipelined write-backs (both walks share it)
 
     def _swap_keys(self, k: int) -> list[tuple[FlatChunk, str]]:
         return [(self.chunks[i], name) for i in self.sub_groups[k] for name in self.chunks[i].opt_swapped()]
@@ -164,7 +165,6 @@ class ShardedAdam:
 
     def _walk(self, ks: list[int], grad_scale: float, delayed: bool, reads: dict) -> float:
         """Update sub-groups ``ks`` in order (SSD ones pipelined); returns the seconds blocked on SSD."""
-        pool = ThreadPoolExecutor(max_workers=1) if self.pipeline else None
         futures, writes = [], []
         waited = 0.0
         try:
@@ -207,18 +207,19 @@ class ShardedAdam:
                         w.wait()
                         waited += w.waited
                 elif todo:
-                    if pool is None or any(self.crossing[c.index] for c in todo):
+                    if not self.pipeline or any(self.crossing[c.index] for c in todo):
                         self._write_back(todo)  # copies to the device are asynchronous already
                     else:
-                        futures.append(pool.submit(self._write_back, todo))
+                        if self._write_pool is None:  # started once, at the first write-back
+                            self._write_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero_cache_wb")
+                        futures.append(self._write_pool.submit(self._write_back, todo))
             for w in writes:
                 w.wait()
                 waited += w.waited
             for f in futures:
                 f.result()
         finally:
-            if pool is not None:
-                pool.shutdown(wait=True)
+            wait(futures)  # never return while a write-back still reads a master
             for _, h in reads.values():  # after an error: no I/O may still target a staging buffer
                 if _quiet_wait(h):
                     self.store.release(h.wait())
@@ -258,6 +259,11 @@ class ShardedAdam:
                     steps, lr=self.lr, beta1=self.betas[0], beta2=self.betas[1],
                     weight_decay=self.groups[cs[0].plan.group].weight_decay, eps=self.eps,
                     amsgrad=False, maximize=False, grad_scale=scale, found_inf=None)
+
+    def close(self) -> None:
+        if self._write_pool is not None:
+            self._write_pool.shutdown(wait=True)
+            self._write_pool = None
 
     def state_dict(self) -> dict:
         return {"lr": self.lr, "betas": list(self.betas), "eps": self.eps}

@@ -268,7 +268,7 @@ def test_ssd_range_io_is_exact_and_keeps_the_page_checksum(tmp_path):
         f.seek(aio.HEADER_BYTES + 9000)
         f.write(bytes([byte[0] ^ 1]))
     store.read_range("c0.exp_avg", 0, 5000)
-    with pytest.raises(aio.SSDTierError, match="is corrupted: payload CRC-32") as e:
+    with pytest.raises(aio.SSDTierError, match="is corrupted: payload checksum") as e:
         store.read_range("c0.exp_avg", 5000, 10_000)
     assert path in str(e.value) and store.transfer_pool.in_use == 0
     store.close()

@@ -263,7 +263,7 @@ def test_damaged_page_file_is_a_clear_error(tmp_path, damage):
             f.truncate(aio.HEADER_BYTES + 1000)
         else:
             f.write(b"garbage!")
-    expected = {"flip-payload": "is corrupted: payload CRC-32", "truncate": "is truncated",
+    expected = {"flip-payload": "is corrupted: payload checksum", "truncate": "is truncated",
                 "header": "corrupted header"}[damage]
     with pytest.raises(SSDTierError, match=expected) as e:
         store.read("c1.exp_avg_sq")
