@@ -25,7 +25,8 @@ def _train_rank(rank, world, argv):
         result = main(argv)
     engine = result.backend.model
     return {"stdout": out.getvalue(), "gas": engine.gradient_accumulation_steps, "stats": engine.last_comm_stats,
-            "plans": [(c.plan.resident, c.plan.padded) for c in engine.chunks]}
+            "plans": [(c.plan.resident, c.plan.padded) for c in engine.chunks],
+            "held": [engine.chunks[c].plan.padded for c in engine.reducer.keep]}
 
 
 def _scalars(tb_dir) -> dict[str, list[tuple[int, float]]]:
@@ -55,17 +56,19 @@ def test_zero3_pretrain_prints_comm_line_and_writes_tensorboard(tmp_path):
     assert " | all_gather: " in line and " | all_reduce: 1 calls, 0.00 MiB (1.00x theory)" in line
     assert "reduce_scatter: " in line and line.split("reduce_scatter: ")[1].split("|")[0].count("(1.00x theory)") == 1
 
-    # Theory from the logging rank's own chunk plans: fp32, stage 3, 2 micro-batches per step.
-    gas, plans = last["gas"], last["plans"]
-    assert gas == 2
+    # Theory from the logging rank's own chunk plans: fp32, stage 3, 2 micro-batches per step; the chunk whose
+    # gradients complete last keeps its buffer across the two micro-batches and is reduced once.
+    gas, plans, held = last["gas"], last["plans"], last["held"]
+    assert gas == 2 and len(held) == 1
     partitioned = sum(n for resident, n in plans if not resident)
     everything = sum(n for _, n in plans)
     scalars = _scalars(tb)
     for kind in COLLECTIVES:
         for name in ("count", "bytes", "seconds", "wait_seconds", "theory_bytes"):
             assert [step for step, _ in scalars[f"comm/{kind}_{name}"]] == [2, 4]
-    assert scalars["comm/reduce_scatter_bytes"] == [(2, gas * everything * 4), (4, gas * everything * 4)]
-    assert scalars["comm/reduce_scatter_count"] == [(2, gas * len(plans)), (4, gas * len(plans))]
+    rs_bytes, rs_count = (gas * everything - (gas - 1) * held[0]) * 4, gas * len(plans) - (gas - 1)
+    assert scalars["comm/reduce_scatter_bytes"] == [(2, rs_bytes), (4, rs_bytes)]
+    assert scalars["comm/reduce_scatter_count"] == [(2, rs_count), (4, rs_count)]
     assert scalars["comm/reduce_scatter_bytes_vs_theory"] == [(2, 1.0), (4, 1.0)]
     ag_theory = (2 * gas * partitioned + (everything - partitioned)) * 4
     assert scalars["comm/all_gather_theory_bytes"] == [(2, ag_theory), (4, ag_theory)]
