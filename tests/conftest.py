@@ -1,8 +1,11 @@
-"""Suite-wide test tiers.
+"""Suite-wide test tiers and order.
 
 ``@pytest.mark.multiprocess`` marks a test that starts processes (distributed ranks, launchers, data-loader
 workers, Python or shell subprocesses); ``bash scripts/test.sh -m "not multiprocess"`` is the fast tier. A
 test without the mark that starts such a process fails at that point, so the fast tier stays fast.
+
+The files that take longest run first (longest-processing-time-first): with several pytest-xdist workers
+and one file per worker, a long file started last would otherwise keep one worker busy alone at the end.
 """
 from __future__ import annotations
 
@@ -13,6 +16,12 @@ import sys
 
 import pytest
 
+# Longest first, by the seconds `--durations` reports on the 2-core test machine (each over a minute).
+SLOWEST_FILES = ("tests/launcher/test_multinode.py", "tests/launcher/test_slurm.py",
+                 "tests/launcher/test_restarts.py", "tests/launcher/test_local_launch.py",
+                 "tests/examples/test_start_sh.py", "tests/launcher/test_error_lines.py",
+                 "tests/training/test_preemption.py", "tests/tools/test_plan_memory.py",
+                 "tests/data/test_preprocess.py", "tests/training/test_async_save.py")
 _SLOW_PROGRAMS = ("python", "bash", "sh", "torchrun", "ssh", "pdsh", "ip")
 _MESSAGE = ("this test starts a process but is not marked @pytest.mark.multiprocess; mark it (module-level "
             "pytestmark for a module of such tests)")
@@ -38,3 +47,8 @@ def _processes_need_the_mark(request, monkeypatch):
         monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refuse_start)
         monkeypatch.setattr(subprocess.Popen, "__init__", _guarded_popen(subprocess.Popen.__init__))
     yield
+
+
+def pytest_collection_modifyitems(items):
+    first = {path: i for i, path in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))  # stable: file order kept

