@@ -151,7 +151,7 @@ class PageFile:
         self.capacity = round_up(max(self.payload, 1))
         self.file_bytes = HEADER_BYTES + self.capacity
         self.direct = direct
-        self.crc_known = True  # False while range writes have left the header's checksum stale
+        self.checksum_known = True  # False while range writes have left the header's checksum stale
         self.io_checked = False  # a request went through: O_DIRECT is not refused at I/O time
         self._read_pass: tuple[int, xxhash.xxh3_64] | None = None  # (next byte, running checksum) of range reads
         self._write_pass: tuple[int, xxhash.xxh3_64] | None = None
@@ -207,15 +207,15 @@ class PageFile:
             done += n
 
     def _io_pieces(self, write: bool, mv: memoryview, offset: int, block: int, pool: Executor | None,
-                   crc_bytes: int, header: Callable[[], int] | None = None) -> tuple[int, int | None]:
+                   checked_bytes: int, header: Callable[[], int] | None = None) -> tuple[int, int | None]:
         """Move ``mv`` in ``block`` pieces, concurrently on ``pool`` when given. Returns the checksum of its first
-        ``crc_bytes`` bytes, chained piece by piece in order as they complete (reads) or are queued (writes),
+        ``checked_bytes`` bytes, chained piece by piece in order as they complete (reads) or are queued (writes),
         and what ``header`` returned (a read's header check, run in this thread while the pieces move)."""
         pieces = [(start, min(start + block, len(mv))) for start in range(0, len(mv), block)]
         if pool is None or len(pieces) == 1:
             recorded = header() if header is not None else None
             self._io(write, mv, offset, block)
-            return xxhash.xxh3_64_intdigest(mv[:crc_bytes]), recorded
+            return xxhash.xxh3_64_intdigest(mv[:checked_bytes]), recorded
         first = 0
         if not self.io_checked:  # one request alone first: O_DIRECT may be refused there, reopening the file
             a, b = pieces[0]
@@ -223,36 +223,34 @@ class PageFile:
             self.io_checked, first = True, 1
         futures = [None] * first
         futures += [pool.submit(self._io, write, mv[a:b], offset + a, block) for a, b in pieces[first:]]
-        crc, crc_left = xxhash.xxh3_64(), crc_bytes
+        digest = xxhash.xxh3_64()
         try:
             recorded = header() if header is not None else None
             for (a, b), f in zip(pieces, futures):
                 if f is not None and not write:
                     f.result()
-                take = min(b - a, crc_left)
-                crc.update(mv[a:a + take])
-                crc_left -= take
+                digest.update(mv[a:min(b, checked_bytes)])  # empty past the payload (padding)
             for f in futures[first:]:
                 f.result()
         finally:  # never return while a request still uses the caller's buffer
             wait(futures[first:])
-        return crc.intdigest(), recorded
+        return digest.intdigest(), recorded
 
     def write(self, buf: AlignedBuffer, block: int, pool: Executor | None = None) -> None:
         """Write ``buf``'s first ``payload`` bytes (its tail up to capacity is padding) and a fresh header."""
-        crc, _ = self._io_pieces(True, memoryview(buf.mm)[:self.capacity], HEADER_BYTES, block, pool, self.payload)
-        self._write_header(crc)
+        digest, _ = self._io_pieces(True, memoryview(buf.mm)[:self.capacity], HEADER_BYTES, block, pool, self.payload)
+        self._write_header(digest)
         self._read_pass = self._write_pass = None
 
-    def _write_header(self, crc: int) -> None:
+    def _write_header(self, digest: int) -> None:
         header = AlignedBuffer(HEADER_BYTES)
         key = self.key.encode()[:HEADER_BYTES - _HEADER.size]
-        _HEADER.pack_into(header.mm, 0, MAGIC, self.numel, self.payload, self.capacity, crc, len(key))
+        _HEADER.pack_into(header.mm, 0, MAGIC, self.numel, self.payload, self.capacity, digest, len(key))
         header.mm[_HEADER.size:_HEADER.size + len(key)] = key
         self._io(True, memoryview(header.mm), 0, HEADER_BYTES)
-        self.crc_known = True
+        self.checksum_known = True
 
-    def _header_crc(self) -> int:
+    def _header_checksum(self) -> int:
         """Check the file size and the header; the payload checksum the header records."""
         size = os.fstat(self.fd).st_size
         if size < self.file_bytes:
@@ -261,14 +259,14 @@ class PageFile:
                                f"disk failed")
         header = AlignedBuffer(HEADER_BYTES)
         self._io(False, memoryview(header.mm), 0, HEADER_BYTES)
-        magic, numel, payload, capacity, crc, _ = _HEADER.unpack_from(header.mm, 0)
+        magic, numel, payload, capacity, digest, _ = _HEADER.unpack_from(header.mm, 0)
         if magic != MAGIC or numel != self.numel or payload != self.payload or capacity != self.capacity:
             raise SSDTierError(f"SSD tier: page file '{self.path}' has a corrupted header (magic {magic!r}, "
                                f"{numel} elements / {payload} bytes, expected {self.numel} / {self.payload})")
-        return crc
+        return digest
 
-    def _check_crc(self, got: int, recorded: int) -> None:
-        if not self.crc_known:  # range writes left the header's checksum stale: this full pass re-establishes it
+    def _check_checksum(self, got: int, recorded: int) -> None:
+        if not self.checksum_known:  # range writes left the header's checksum stale: this full pass re-establishes it
             self._write_header(got)
         elif got != recorded:
             raise SSDTierError(f"SSD tier: page file '{self.path}' is corrupted: payload checksum {got:#018x}, "
@@ -277,8 +275,8 @@ class PageFile:
     def read(self, buf: AlignedBuffer, block: int, pool: Executor | None = None) -> None:
         """Fill ``buf`` with the payload; verify file size, header and checksum first/after."""
         got, recorded = self._io_pieces(False, memoryview(buf.mm)[:self.capacity], HEADER_BYTES, block, pool,
-                                        self.payload, header=self._header_crc)
-        self._check_crc(got, recorded)
+                                        self.payload, header=self._header_checksum)
+        self._check_checksum(got, recorded)
 
     # ---- byte ranges (checkpoints) ----------------------------------------------------------------------
     # A range lives in ``buf`` at its offset from ``start`` rounded down to 4 KiB, so whole pages move.
@@ -288,14 +286,14 @@ class PageFile:
 
     def read_span(self, buf: AlignedBuffer, start: int, stop: int, block: int) -> None:
         """Payload bytes [start, stop) into ``buf``; file size and header checked, checksum at the end of a pass."""
-        recorded = self._header_crc()
+        recorded = self._header_checksum()
         base = start - start % ALIGN
         mv = memoryview(buf.mm)[:round_up(stop) - base]
         self._io(False, mv, HEADER_BYTES + base, block)
         running = _extend(self._read_pass, start, mv[start - base:stop - base])
         self._read_pass = (stop, running) if running is not None and stop < self.payload else None
         if running is not None and stop == self.payload:
-            self._check_crc(running.intdigest(), recorded)
+            self._check_checksum(running.intdigest(), recorded)
 
     def fill_edges(self, buf: AlignedBuffer, start: int, stop: int) -> None:
         """Read the partly covered first and last pages of [start, stop) into ``buf`` before ``write_span``
@@ -315,7 +313,7 @@ class PageFile:
         running = _extend(self._write_pass, start, mv[start - base:stop - base])
         self._io(True, mv, HEADER_BYTES + base, block)
         self._read_pass = None
-        self.crc_known = False
+        self.checksum_known = False
         self._write_pass = (stop, running) if running is not None and stop < self.payload else None
         if running is not None and stop == self.payload:
             self._write_header(running.intdigest())

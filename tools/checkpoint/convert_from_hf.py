@@ -53,9 +53,8 @@ class _HFWeights:
         elif os.path.isfile(single):
             with safe_open(single, "pt") as f:
                 self.files = dict.fromkeys(f.keys(), single)
-        elif os.path.isfile(os.path.join(directory, "pytorch_model.bin")):
-            self._bin = torch.load(os.path.join(directory, "pytorch_model.bin"), map_location="cpu",
-                                   weights_only=True, mmap=True)
+        elif os.path.isfile(binary := os.path.join(directory, "pytorch_model.bin")):
+            self._bin = torch.load(binary, map_location="cpu", weights_only=True, mmap=True)
             self.files = dict.fromkeys(self._bin, None)
         else:
             raise CheckpointError(f"{directory} holds no model.safetensors, model.safetensors.index.json or "

@@ -31,15 +31,18 @@ def is_no_space(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(s in str(exc) for s in _TORCH_WRITE_FAILURES)
 
 
-def no_space_error(path: str, needed: int | None = None) -> CheckpointError:
-    need = f"{needed} bytes needed, " if needed is not None else ""
-    return CheckpointError(f"no space left on the filesystem of {path}: {need}{free_bytes(path)} bytes free; "
-                           f"the partial files were removed; free space there or save elsewhere (--save)")
+def no_space_error(path: str, needed: int | None = None, free: int | None = None) -> CheckpointError:
+    """The error of a write to ``path`` that ran out of space (its partial files were removed), or, with
+    ``needed``, of one refused before it started."""
+    free = free_bytes(path) if free is None else free
+    what = (f"{free} bytes free; the partial files were removed" if needed is None
+            else f"{needed} bytes needed, {free} bytes free; nothing was written")
+    return CheckpointError(f"no space left on the filesystem of {path}: {what}; free space there or save elsewhere "
+                           f"(--save)")
 
 
 def check_free(path: str, needed: int) -> None:
     """Raise the no-space error before a write of ``needed`` bytes that cannot fit."""
     free = free_bytes(path)
     if needed > free:
-        raise CheckpointError(f"no space left on the filesystem of {path}: {needed} bytes needed, {free} bytes "
-                              f"free; nothing was written; free space there or save elsewhere (--save)")
+        raise no_space_error(path, needed, free)

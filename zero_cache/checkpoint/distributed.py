@@ -189,11 +189,11 @@ def save(directory: str, source: StateSource, *, layout: Layout = whole, objects
     except (OSError, RuntimeError) as e:
         if not disk_space.is_no_space(e):
             raise
-        for name in os.listdir(directory):  # this rank's partial files (every rank removes its own)
-            if name.startswith(f"__{rank}_") or (rank == 0 and name == METADATA):
+        for name in _rank_files(directory, rank) + ([METADATA] if rank == 0 else []):  # every rank removes its own
+            if os.path.exists(os.path.join(directory, name)):
                 os.remove(os.path.join(directory, name))
         raise disk_space.no_space_error(directory) from None
-    mine = integrity.record(directory, sorted(f for f in os.listdir(directory) if f.startswith(f"__{rank}_")))
+    mine = integrity.record(directory, _rank_files(directory, rank))
     everyone = [mine]
     if _distributed():
         everyone = [None] * dist.get_world_size(group)
@@ -204,6 +204,11 @@ def save(directory: str, source: StateSource, *, layout: Layout = whole, objects
         integrity.write_checksums(directory, entries, {"format": FORMAT})
     if _distributed():
         dist.barrier(group=group)
+
+
+def _rank_files(directory: str, rank: int) -> list[str]:
+    """The data files DCP's writer names after ``rank`` (``__<rank>_<n>.distcp``), sorted."""
+    return sorted(f for f in os.listdir(directory) if f.startswith(f"__{rank}_"))
 
 
 def _bytes_to_write(state_dict: dict[str, Any]) -> int:
