@@ -4,7 +4,7 @@ DeepSpeedCPUAdam, all in one run. Prints a table.
 
     python -m benchmarks.bench_ssd [--nvme-path /tmp] [--mib 512] [--shards 8] [--params 16e6] [--steps 3] [--rounds 3]
 
-1. I/O: ``--mib`` MiB split into ``--shards`` page files of zero_cache's SSDStore (O_DIRECT, CRC-32 per page)
+1. I/O: ``--mib`` MiB split into ``--shards`` page files of zero_cache's SSDStore (O_DIRECT, XXH3-64 per page)
    written (swap_out) and read back (swap_in) ``--rounds`` times (medians) for each
    ``aio.intra_op_parallelism`` / ``block_size`` setting, ``queue_depth`` 8; the references are
    ``dd bs=1M oflag=direct`` / ``iflag=direct`` of the same amount on the same disk, and DeepSpeed's aio

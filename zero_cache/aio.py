@@ -7,13 +7,13 @@ is reopened without, once, with a warning). Payloads move between the file and *
 (anonymous ``mmap`` memory: page-aligned, as ``O_DIRECT`` requires) in ``aio.block_size`` pieces with
 ``os.preadv`` / ``os.pwritev``, which release the GIL, so I/O runs while torch kernels compute.
 
-``AioEngine`` runs whole-file jobs, at most ``aio.queue_depth x aio.intra_op_parallelism`` at once
-(submitting more blocks the caller: bounded memory), and records each job's busy interval so callers can
-measure how much I/O time their compute hid. A job moves its file's blocks on a pool of that many block
-threads (DeepSpeed's aio meaning of the two keys: requests outstanding per thread, times threads) and
-chains the checksum over the blocks in order while later ones are still moving, so it costs no I/O time.
-The checksum is XXH3-64 (the ``xxhash`` package, which releases the GIL): about 7.5 GB/s on one core
-here, where zlib's CRC-32 runs at about 2 GB/s, no faster than a fast disk reads; and it is 64 bits wide.
+``AioEngine`` runs whole-file jobs, at most ``aio.queue_depth x aio.intra_op_parallelism`` at once, reads
+before writes, and records each job's busy interval so callers can measure how much I/O time their compute
+hid. A job moves its file's blocks on a pool of that many block threads (DeepSpeed's aio meaning of the two
+keys: requests outstanding per thread, times threads) and chains the checksum over the blocks in order
+while later ones are still moving, so it costs no I/O time. The checksum is XXH3-64 (the ``xxhash``
+package, which releases the GIL): about 7.5 GB/s on one core here, where zlib's CRC-32 runs at about
+2 GB/s, no faster than a fast disk reads; and it is 64 bits wide.
 Checkpoints move byte ranges of a page file instead (``read_span`` / ``write_span``, in the caller's
 thread), through a buffer of one block, so a shard never has to fit in host memory whole.
 A truncated or corrupted page file, or a full disk, is an ``SSDTierError`` naming the file.
@@ -21,9 +21,11 @@ A truncated or corrupted page file, or a full disk, is an ``SSDTierError`` namin
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import mmap
 import os
+import queue
 import shutil
 import struct
 import threading
@@ -121,6 +123,26 @@ class BufferPool:
             self.in_use += cap
             self.peak_in_use = max(self.peak_in_use, self.in_use)
         return buf
+
+    def give(self, buf: AlignedBuffer, dst: "BufferPool") -> bool:
+        """Move ``buf`` (in use, from this pool) to ``dst``'s accounting, without copying; False when ``dst``
+        cannot hold it even after dropping its free buffers."""
+        cap = buf.capacity
+        first, second = sorted((self, dst), key=id)
+        with first._lock, second._lock:
+            if dst.limit is not None:
+                for other in list(dst._free):
+                    while dst._free[other] and dst.held + cap > dst.limit:
+                        dst.held -= dst._free[other].pop().capacity
+                if dst.held + cap > dst.limit:
+                    return False
+            self.in_use -= cap
+            self.held -= cap
+            dst.in_use += cap
+            dst.held += cap
+            dst.peak_in_use = max(dst.peak_in_use, dst.in_use)
+            dst.peak_held = max(dst.peak_held, dst.held)
+        return True
 
     def fits(self, nbytes: int) -> bool:
         """Whether ``acquire(nbytes)`` would succeed now (free buffers of other sizes can be dropped)."""
@@ -352,55 +374,92 @@ def _no_space(path: str, needed: int) -> str:
 
 
 class AioEngine:
-    """Thread pool for page-file jobs with a bounded queue and busy-time accounting."""
+    """Worker threads for page-file jobs: reads before writes, busy-time and byte accounting.
+
+    A job waits in one priority queue; ``queue_depth x intra_op_parallelism`` workers take reads first,
+    then writes in the order they came. A write submitted at the end of an optimizer step can then drain
+    while the next forward runs without delaying that forward's reads; the store keeps each page file's
+    reads and writes in order (ssd_store.py). Submitting never blocks: the caller already holds the job's
+    buffer, so the bound on memory is the buffer pool's, not the queue's."""
+
+    _READ, _WRITE, _STOP = 0, 1, 2
 
     def __init__(self, cfg: AioConfig):
         self.block = cfg.block_size
         self.threads = cfg.intra_op_parallelism
         in_flight = cfg.queue_depth * self.threads
-        self._pool = ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="zero_cache_aio")
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._workers = [threading.Thread(target=self._serve, name=f"zero_cache_aio_{i}", daemon=True)
+                         for i in range(in_flight)]
+        for t in self._workers:
+            t.start()
         self._blocks = ThreadPoolExecutor(max_workers=in_flight,
                                           thread_name_prefix="zero_cache_aio_block") if in_flight > 1 else None
-        self._slots = threading.BoundedSemaphore(in_flight)
         self._lock = threading.Lock()
+        self._since = time.perf_counter()  # start of the accounting window
+        self._running: dict[int, float] = {}  # job -> start time, for jobs still moving bytes
         self.intervals: list[tuple[float, float]] = []
         self.bytes_read = 0
         self.bytes_written = 0
 
+    def _serve(self) -> None:
+        while True:
+            _, _, job = self._queue.get()
+            if job is None:
+                return
+            future, write, page, buf, account = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                self._run(write, page, buf, account)
+            except BaseException as e:  # handed to whoever waits on the future
+                future.set_exception(e)
+            else:
+                future.set_result(None)
+
     def _run(self, write: bool, page: PageFile, buf: AlignedBuffer, account: bool) -> None:
+        token = next(self._order)
         t0 = time.perf_counter()
+        if account:
+            with self._lock:
+                self._running[token] = t0
         try:
             (page.write if write else page.read)(buf, self.block, self._blocks)
         finally:
-            t1 = time.perf_counter()
             if account:
+                t1 = time.perf_counter()
                 with self._lock:
+                    del self._running[token]
                     self.intervals.append((t0, t1))
-                    if write:
-                        self.bytes_written += page.file_bytes
-                    else:
-                        self.bytes_read += page.file_bytes
-            self._slots.release()
 
     def submit(self, write: bool, page: PageFile, buf: AlignedBuffer, account: bool = True) -> Future:
         """Queue a whole-file job; ``account=False`` leaves it out of ``busy_seconds_and_reset`` (parameter
         reads for gathers, which run beside the optimizer's traffic that the busy time describes)."""
-        self._slots.acquire()  # queue_depth bound: the caller waits rather than queueing without limit
-        try:
-            return self._pool.submit(self._run, write, page, buf, account)
-        except BaseException:
-            self._slots.release()
-            raise
+        future: Future = Future()
+        if account:
+            with self._lock:
+                if write:
+                    self.bytes_written += page.file_bytes
+                else:
+                    self.bytes_read += page.file_bytes
+        self._queue.put((self._WRITE if write else self._READ, next(self._order),
+                         (future, write, page, buf, account)))
+        return future
 
     def busy_seconds_and_reset(self) -> tuple[float, int, int]:
-        """Wall time during which at least one job ran (union of intervals), bytes read, bytes written."""
+        """Since the last call: wall time during which at least one job ran (union of intervals, jobs still
+        running counted up to now), bytes of the jobs submitted (read, written); then a new window starts."""
+        now = time.perf_counter()
         with self._lock:
-            spans = sorted(self.intervals)
+            since, self._since = self._since, now
+            spans = [(max(a, since), b) for a, b in self.intervals if b > since]
+            spans += [(max(a, since), now) for a in self._running.values()]
             self.intervals = []
             r, w = self.bytes_read, self.bytes_written
             self.bytes_read = self.bytes_written = 0
         busy, end = 0.0, float("-inf")
-        for a, b in spans:
+        for a, b in sorted(spans):
             if b <= end:
                 continue
             busy += b - max(a, end)
@@ -408,6 +467,11 @@ class AioEngine:
         return busy, r, w
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Finish every queued job, then stop the workers."""
+        for _ in self._workers:
+            self._queue.put((self._STOP, next(self._order), None))
+        for t in self._workers:
+            t.join()
+        self._workers = []
         if self._blocks is not None:
             self._blocks.shutdown(wait=True)

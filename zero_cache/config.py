@@ -265,9 +265,9 @@ class ZeroOptimizationConfig:
         "Where optimizer sub-groups live."))
     pipeline_optimizer: bool = field(default=True, metadata=key(
         "The step walks the sub-groups as a pipeline: the fp32-to-compute-dtype write-back of sub-group i runs "
-        "on a worker thread while i+1 updates; on SSD, i+1 is read while i updates and i-1 is written back "
-        "(staging for 3 sub-groups, more read ahead from the backward on when the host budget allows). False: "
-        "one sub-group at a time (staging for 1)."))
+        "on a worker thread while i+1 updates; on SSD, i+1 is read while i updates and earlier ones are written "
+        "back, the last writes finishing under the next forward (staging for 3 sub-groups, more read ahead from "
+        "the backward on when the host budget allows). False: one sub-group at a time (staging for 1)."))
     prefetch_cache_sub_group_rate: float = field(default=0.0, metadata=key(
         "With offload_optimizer.device cpu or nvme: share of sub-groups (the first ceil(rate x count)) whose "
         "optimizer states stay and update on the device.", lo=0.0, hi=1.0))

@@ -21,7 +21,10 @@ All ranks of the DP group make the same decisions, so their collectives stay in 
 Parameter shards on SSD (``offload_param.device = nvme``): a gather first reads the shard into a staging
 buffer (released when the gather completes). Read-ahead: while prefetching, the SSD reads of the chunks in
 the next window (another ``stage3_prefetch_bucket_size`` elements beyond the gathers in flight) are
-started, so by the time a chunk's gather is issued its shard is in memory.
+started, so by the time a chunk's gather is issued its shard is in memory. When the trace says the chunk
+is gathered again in the step (the backward after the forward) and the placement left host budget for it
+(``keep_param_bytes``), the shard's buffer is kept for that gather instead of being read again; kept
+shards are dropped when the parameters change.
 
 Copies (streams.py): with an accelerator (or the emulated one), a shard that lives in host memory (or was
 just read from SSD) is copied into the rank's own piece of the chunk's full buffer on the host-to-device
@@ -47,6 +50,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .aio import round_up
 from .comm import Comm, Handle
 from .config import ZeroOptimizationConfig
 from .param_arena import ParamArena
@@ -73,7 +77,7 @@ def _tensors(obj):
 class ParamCoordinator:
     def __init__(self, chunks: list[FlatChunk], comm: Comm, zcfg: ZeroOptimizationConfig,
                  on_backward_activity: Callable[[], None], store: ShardStore | None = None,
-                 streams: Streams | None = None, micro_batches: int = 1):
+                 streams: Streams | None = None, micro_batches: int = 1, keep_param_bytes: int = 0):
         self.chunks = chunks
         self.micro_batches = micro_batches
         self.store = store
@@ -87,6 +91,9 @@ class ParamCoordinator:
         self.on_issue: Callable[[int], None] | None = None  # told before a chunk's shard is read
         self.ssd_reads: dict[int, object] = {}  # chunk -> SwapHandle of its parameter shard being read
         self.staged: dict[int, torch.Tensor] = {}  # chunk -> shard buffer an in-flight gather reads
+        self._serves: dict[int, int] = {}  # chunk -> trace position its gather in flight serves
+        self.kept: dict[int, tuple[torch.Tensor, object]] = {}  # chunk -> (SSD shard buffer, copy's source_free)
+        self.keep_limit, self.kept_bytes = keep_param_bytes, 0
         self.params_on_ssd = any("param" in c.swapped for c in chunks)
         self.comm = comm
         self.prefetch_numel = zcfg.stage3_prefetch_bucket_size
@@ -188,7 +195,7 @@ class ParamCoordinator:
         """Start reading chunk ``c``'s parameter shard from SSD. Read-ahead is skipped (False) when the
         staging reserve is full; a read the gather needs now first waits for the gathers in flight, whose
         staging buffers are then released."""
-        if "param" not in self.chunks[c].swapped or c in self.ssd_reads:
+        if "param" not in self.chunks[c].swapped or c in self.ssd_reads or c in self.kept:
             return True
         key = self.chunks[c].state_key("param")
         handle = self.store.swap_in([key], for_gather=True, optional=True)
@@ -213,15 +220,21 @@ class ParamCoordinator:
             self.on_issue(c)
         src = chunk.param_shard
         if "param" in chunk.swapped:
-            self._read_ahead(c, optional=False)
-            (src,) = self.ssd_reads.pop(c).wait()
+            self._serves[c] = self.pos - 1 if at is None else at  # the trace position this gather serves
+            if c in self.kept:
+                src = self._unkeep(c)[0]
+            else:
+                self._read_ahead(c, optional=False)
+                (src,) = self.ssd_reads.pop(c).wait()
             self.staged[c] = src
         if self.host_param[c]:
             piece = chunk.shard_of_full()
             copy = self.streams.h2d(piece, src, after=(self.streams.compute_event(),))
             self._copies[c] = copy.done
             if c in self.staged:
-                self._release_after(self.staged.pop(c), copy.source_free)
+                buf = self.staged.pop(c)
+                if not self._keep(c, buf, copy.source_free):
+                    self._release_after(buf, copy.source_free)
             self.inflight[c] = self.comm.all_gather(chunk.full, piece, tag=f"chunk{c}", async_op=True,
                                                     after=copy.done)
         else:
@@ -239,7 +252,7 @@ class ParamCoordinator:
     def _release_after(self, buf: torch.Tensor, event) -> None:
         """Give an SSD staging buffer back once ``event`` (its copy no longer reads it) is done."""
         if event.query():
-            self.store.release([buf])
+            self.store.release([buf], clean=True)
         else:
             self._releases.append((event, buf))
 
@@ -249,7 +262,7 @@ class ParamCoordinator:
             if wait:
                 self.streams.synchronize(event)
             if event.query():
-                self.store.release([buf])
+                self.store.release([buf], clean=True)
             else:
                 keep.append((event, buf))
         self._releases = keep
@@ -305,7 +318,28 @@ class ParamCoordinator:
             h.wait()
             self.chunks[c].gathered = True
         if c in self.staged:
-            self.store.release([self.staged.pop(c)])
+            buf = self.staged.pop(c)
+            if not self._keep(c, buf, None):
+                self.store.release([buf], clean=True)  # unchanged: the store may cache it for the optimizer
+
+    def _keep(self, c: int, buf: torch.Tensor, source_free) -> bool:
+        """Keep chunk ``c``'s SSD shard buffer for its next gather in this step, if the trace has one and the
+        keep budget holds it."""
+        nbytes = round_up(buf.numel() * buf.element_size())
+        served = self._serves.pop(c, None)
+        positions = self._trace_pos_of.get(c, [])
+        again = (served is not None and self.trace is not None and self.trace_ok
+                 and bisect.bisect_right(positions, served) < len(positions))
+        if not again or self.kept_bytes + nbytes > self.keep_limit:
+            return False
+        self.kept[c] = (buf, source_free)
+        self.kept_bytes += nbytes
+        return True
+
+    def _unkeep(self, c: int) -> tuple[torch.Tensor, object]:
+        buf, source_free = self.kept.pop(c)
+        self.kept_bytes -= round_up(buf.numel() * buf.element_size())
+        return buf, source_free
 
     def chunk_done(self, c: int) -> None:
         """All of chunk ``c``'s gradients of this backward pass exist: no module using it is running (this is
@@ -346,7 +380,13 @@ class ParamCoordinator:
         for c in list(self.inflight):
             self._wait(c)
         for c in list(self.ssd_reads):  # read ahead for a step that went another way
-            self.store.release(self.ssd_reads.pop(c).wait())
+            self.store.release(self.ssd_reads.pop(c).wait(), clean=True)
+        for c in list(self.kept):  # the shards are about to change
+            buf, source_free = self._unkeep(c)
+            if source_free is None:
+                self.store.release([buf], clean=True)
+            else:
+                self._release_after(buf, source_free)
         self._poll_releases(wait=True)
         self.users = [0] * len(self.chunks)
         self.pinned.clear()

@@ -115,7 +115,8 @@ class ZeroEngine:
         self.coordinator = None
         if any(not c.plan.resident for c in self.chunks):
             self.coordinator = ParamCoordinator(self.chunks, self.comm, z, self._on_backward_activity, self.store,
-                                                self.streams, micro_batches=cfg.gradient_accumulation_steps)
+                                                self.streams, micro_batches=cfg.gradient_accumulation_steps,
+                                                keep_param_bytes=placed.param_keep)
             self.coordinator.register_model(model)
         self.optimizer = ShardedAdam(self.chunks, self.sub_groups, self.groups, lr=hp.lr, betas=hp.betas,
                                      eps=hp.eps, decoupled=cfg.optimizer.type == "AdamW",
@@ -292,7 +293,9 @@ class ZeroEngine:
                 report.gathered_reserved = self.coordinator.arena.nbytes
         pool = getattr(self.store, "pool", None)
         if pool is not None:
-            report.swap_buffers_now, report.swap_buffers_peak = pool.in_use, pool.peak_in_use
+            report.ssd_cached = self.store.cached_bytes()
+            report.swap_buffers_now = pool.in_use - self.store.cached_bytes(pool)
+            report.swap_buffers_peak = pool.peak_in_use
         report.budget = dict(self.budgets)
         report.peak_by_tier = dict(report.by_tier)  # shards are allocated once; only staging buffers vary
         if pool is not None:
@@ -312,6 +315,11 @@ class ZeroEngine:
     def swap_stats(self):
         """SSD traffic and measured overlap of the last optimizer step (None without SSD-tier states)."""
         return self.optimizer.last_swap
+
+    def synchronize_writes(self) -> None:
+        """Wait for the SSD writes the last step left in flight (they otherwise finish under the next
+        forward, and any read of a shard waits for its own write); a failed write raises here."""
+        self.store.synchronize_writes()
 
     @property
     def last_comm_stats(self) -> CommStepStats | None:

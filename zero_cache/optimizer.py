@@ -16,12 +16,14 @@ pipeline below, concurrently; the planner picks the rate so both finish together
 Sub-groups whose states live on the SSD tier are swapped in, updated and swapped out (a gradient shard
 on SSD is read with them and dropped). With
 ``pipeline_optimizer`` this is a three-stage pipeline on the store's I/O threads: while sub-group i is
-updated, i+1 is being read (read-ahead) and i-1 written back; at most three sub-groups' staging buffers
-exist at once, unless the placement gave the staging pool spare host budget: then the first sub-groups
-are read ahead while the backward runs, as many as the pool holds. Without the pipeline each sub-group is
-read, updated and written in turn. ``last_swap`` reports the step's optimizer I/O time (from its first
-read, which may start in the backward), the time the step was blocked on it, and their difference (the
-I/O hidden by compute).
+updated, i+1 is being read (read-ahead) and earlier ones written back; at most three sub-groups' staging
+buffers exist at once, unless the placement gave the staging pool spare host budget: then the first
+sub-groups are read ahead while the backward runs, as many as the pool holds. Without the pipeline each
+sub-group is read, updated and written in turn. The step does not wait for its write-backs: they finish
+while the next forward runs, behind its reads (the store keeps each shard's reads after its write).
+``last_swap`` reports the step's optimizer I/O time (from its first read, which may start in the
+backward, to the step's end), the time the step was blocked on it, and their difference (the I/O hidden by
+compute).
 """
 from __future__ import annotations
 
@@ -99,8 +101,11 @@ class ShardedAdam:
         return [(self.chunks[i], name) for i in self.sub_groups[k] for name in self.chunks[i].opt_swapped()]
 
     def _swap_in(self, k: int, optional: bool = False):
-        """Start reading sub-group ``k``: (pairs, handle), or None when ``optional`` and the pool is full."""
-        pairs = self._swap_keys(k)
+        """Start reading sub-group ``k``: (pairs, handle), or None when ``optional`` and the pool is full.
+
+        Parameter shards a gather holds unchanged are left out (the backward's gathers release them as
+        clean copies before the step, which then takes them without I/O: ``_walk``)."""
+        pairs = [(c, n) for c, n in self._swap_keys(k) if n != "param" or not self.store.held_unchanged(c.state_key(n))]
         handle = self.store.swap_in([c.state_key(n) for c, n in pairs], optional=optional)
         return None if handle is None else (pairs, handle)
 
@@ -165,9 +170,15 @@ class ShardedAdam:
             self.last_swap = SwapStats(io, waited, r, w)
 
     def _walk(self, ks: list[int], grad_scale: float, delayed: bool, reads: dict) -> float:
-        """Update sub-groups ``ks`` in order (SSD ones pipelined); returns the seconds blocked on SSD."""
+        """Update sub-groups ``ks`` in order (SSD ones pipelined); returns the seconds blocked on SSD.
+
+        SSD write-backs are left in flight: the store orders each page file's I/O and takes staging buffers
+        back from writes as later reads need them, so the step's last writes drain under the next forward.
+        With an unbounded staging pool the walk bounds them itself (one behind the update, or none)."""
         futures, writes = [], []
         waited = 0.0
+        pool = getattr(self.store, "pool", None)  # the SSD tier's staging pool
+        in_step_bound = pool is not None and pool.limit is None
         try:
             for idx, k in enumerate(ks):
                 sg = self.sub_groups[k]
@@ -177,9 +188,17 @@ class ShardedAdam:
                         if j is not None and self.swapped[j] and j not in reads:
                             reads[j] = self._swap_in(j)
                     pairs, handle = reads.pop(k)
-                    for (c, name), t in zip(pairs, handle.wait()):
-                        _set(c, name, t)
-                    waited += handle.waited
+                    have = {c.state_key(n) for c, n in pairs}
+                    missing = [(c, n) for c, n in self._swap_keys(k) if c.state_key(n) not in have]
+                    parts = [(pairs, handle)]
+                    if missing:  # left out of the read-ahead: a gather held them (now, most likely cached)
+                        keys = [c.state_key(n) for c, n in missing]
+                        parts.append((missing, self.store.swap_in(keys, params=True)))
+                    for got, h in parts:
+                        for (c, name), t in zip(got, h.wait()):
+                            _set(c, name, t)
+                        waited += h.waited
+                    pairs = pairs + missing
                 cs = [self.chunks[i] for i in sg]
                 self._update(cs, grad_scale, delayed)
                 todo = [c for c in cs if not c.master_is_param()]
@@ -202,8 +221,11 @@ class ShardedAdam:
                     self.store.release([c.grad for c, name in pairs if name == "grad"])
                     for c, name in pairs:
                         _set(c, name, None)
-                    writes.append(self.store.swap_out([c.state_key(nm) for c, nm in dirty], tensors))
-                    while len(writes) > (1 if self.pipeline else 0):  # write-back of i-1 overlaps i
+                    # The next forward gathers the updated parameter shards: they stay as clean copies.
+                    keys = [c.state_key(nm) for c, nm in dirty]
+                    writes.append(self.store.swap_out(keys, tensors, keep=[k for k, (_, nm) in zip(keys, dirty)
+                                                                           if nm == "param"]))
+                    while in_step_bound and len(writes) > (1 if self.pipeline else 0):  # i-1's overlaps i
                         w = writes.pop(0)
                         w.wait()
                         waited += w.waited
@@ -212,18 +234,17 @@ class ShardedAdam:
                         self._write_back(todo)  # copies to the device are asynchronous already
                     else:
                         futures.append(self._write_pool.submit(self._write_back, todo))
-            for w in writes:
-                w.wait()
-                waited += w.waited
             for f in futures:
                 f.result()
+        except BaseException:
+            for w in writes:  # the step fails with the first error: no write of it is left in flight
+                _quiet_wait(w)
+            raise
         finally:
             wait(futures)  # never return while a write-back still reads a master
             for _, h in reads.values():  # after an error: no I/O may still target a staging buffer
                 if _quiet_wait(h):
                     self.store.release(h.wait())
-            for w in writes:
-                _quiet_wait(w)
         return waited
 
     def _write_back(self, chunks: list[FlatChunk]) -> None:

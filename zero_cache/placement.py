@@ -170,8 +170,9 @@ class Placement:
     grad_on_ssd: set[int]  # chunks whose gradient shard is an SSD page file
     layouts: list[list[StateSpec]]
     opt_staging: int  # host bytes reserved for the optimizer's (and gradients') SSD staging buffers
-    param_staging: int  # host bytes reserved for parameter shards read from SSD for gathers
+    param_staging: int  # host bytes reserved for parameter shards read from SSD for gathers (param_keep included)
     copy_staging: int = 0  # host bytes of the pinned staging pools of host <-> device copies
+    param_keep: int = 0  # of param_staging: SSD parameter shards held in host memory between their uses
 
     @property
     def staging(self) -> int:
@@ -243,7 +244,19 @@ def place_states(plans: list[ChunkPlan], sub_groups: list[list[int]], cfg: ZeroC
         if need > budgets[tier]:
             raise ZeroConfigError(f"zero_cache: model states need {need} bytes on the {tier} tier but its budget is "
                               f"{budgets[tier]} bytes; {fixes[tier]}")
-    return with_read_ahead(placed, sub_groups, budgets[HOST] - needs[HOST], z.pipeline_optimizer)
+    placed = with_param_cache(placed, budgets[HOST] - needs[HOST])
+    return with_read_ahead(placed, sub_groups, budgets[HOST] - needs[HOST] - placed.param_keep, z.pipeline_optimizer)
+
+
+def with_param_cache(placed: Placement, spare_host: int) -> Placement:
+    """Give host budget the states left unused to SSD parameter shards held between their uses, up to all of
+    them: a shard read for the forward serves the backward's gather (coordinator.py), and stays as a clean
+    copy for the optimizer, whose written shard serves the next forward (ssd_store.py). It comes before the
+    optimizer's read-ahead because it saves reads, where read-ahead only moves them under compute."""
+    shards = sum(round_up(s.nbytes) for layout in placed.layouts for s in layout
+                 if s.name == "param" and s.tier == NVME)
+    keep = min(max(spare_host, 0), shards)
+    return replace(placed, param_staging=placed.param_staging + keep, param_keep=keep) if keep else placed
 
 
 def with_read_ahead(placed: Placement, sub_groups: list[list[int]], spare_host: int, pipeline: bool) -> Placement:

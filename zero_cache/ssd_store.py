@@ -6,6 +6,20 @@ preallocated at ``allocate`` so that a disk too small fails at start-up, not mid
 ``swap_in``s a sub-group's shards into aligned host staging buffers (from a reused ``BufferPool``), updates
 them and ``swap_out``s them; the buffers go back to the pool once written, so host memory used by the SSD
 tier is the staging buffers of the sub-groups in flight (accounted, ``memory_report().swap_buffers_*``).
+
+A write may still be in flight when ``swap_out`` returns, and nobody has to wait for it: the store keeps
+each page file's I/O in order (any later read, write or range access of that shard first waits for its
+write), and a read that needs staging room the pool does not have waits for the oldest writes, whose
+buffers then come back. So the optimizer's last writes of a step drain while the next forward runs.
+``synchronize_writes()`` waits for all of them.
+
+Clean copies: a staging buffer whose contents equal its page file (written with ``swap_out(keep=...)``,
+or released unchanged with ``release(clean=True)``) may stay in its pool as the shard's cached copy, and
+the next ``swap_in`` of that shard is served from it without I/O. Each shard has a version, raised by every
+write; a copy is cached only if no write started since it was read, and a write drops the cached one, so
+a stale copy is never served. Clean copies are dropped (oldest first) whenever a read or staging buffer
+needs their room, so they only use pool room nothing else needs.
+
 Checkpoints read and write element ranges of a shard (``read_range`` / ``write_range``) through one
 ``aio.block_size`` buffer of ``transfer_pool``, so saving or loading never holds a whole SSD shard.
 
@@ -17,6 +31,8 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import threading
+import time
 import weakref
 
 import torch
@@ -88,6 +104,11 @@ class SSDStore(DeviceHostStore):
         self._pages: dict[str, PageFile] = {}
         self._ssd_meta: dict[str, tuple[str, torch.dtype, int]] = {}
         self._buffers: dict[int, tuple[BufferPool, AlignedBuffer]] = {}  # id(tensor) -> staging buffer
+        self._writing: dict[str, SwapHandle] = {}  # key -> its write from swap_out that nobody has waited for
+        self._version: dict[str, int] = {}  # key -> writes started to its page file
+        self._holds: dict[int, tuple[str, int]] = {}  # id(tensor) -> (key, version) of the contents it holds
+        self._clean: dict[str, torch.Tensor] = {}  # key -> tensor equal to its page file (a cache, oldest first)
+        self._lock = threading.Lock()  # the dicts above and _buffers: the I/O, host-lane and main threads share them
         self._finalizer = weakref.finalize(self, _cleanup, self.directory, self._pages, self.aio)
 
     # ---- ShardStore -------------------------------------------------------------------------------------
@@ -118,6 +139,9 @@ class SSDStore(DeviceHostStore):
         page = self._pages[key]
         if value.numel() != page.numel:
             raise ValueError(f"shard '{key}' holds {page.numel} elements, got {value.numel()}")
+        self._settle([key])
+        self._invalidate(key)
+        self._make_room(self.pool, page.capacity, block=True)
         buf = self.pool.acquire(page.capacity)
         try:
             buf.view(page.dtype, page.numel).copy_(value.reshape(-1))
@@ -138,6 +162,7 @@ class SSDStore(DeviceHostStore):
             return super().read_range(key, lo, hi, out)
         page = self._pages[key]
         check_range(key, lo, hi, page.numel)
+        self._settle([key])
         out = torch.empty(hi - lo, dtype=page.dtype) if out is None else out
         size = page.itemsize
         buf = self.transfer_pool.acquire(self.aio.block)
@@ -157,6 +182,8 @@ class SSDStore(DeviceHostStore):
         page = self._pages[key]
         value = value.reshape(-1)
         check_range(key, lo, lo + value.numel(), page.numel)
+        self._settle([key])
+        self._invalidate(key)
         size = page.itemsize
         buf = self.transfer_pool.acquire(self.aio.block)
         try:
@@ -180,43 +207,163 @@ class SSDStore(DeviceHostStore):
         return out
 
     # ---- swapping ---------------------------------------------------------------------------------------
-    def swap_in(self, keys, for_gather: bool = False, optional: bool = False):
-        pool = self.param_pool if for_gather else self.pool
-        if optional and not pool.fits(sum(self._pages[k].capacity for k in keys)):
+    def swap_in(self, keys, for_gather: bool = False, optional: bool = False, params: bool = False):
+        pool = self.param_pool if for_gather or params else self.pool
+        waited = self._settle(keys)
+        with self._lock:  # clean copies are served where they are (parameter shards: the parameter pool)
+            cached = {k: self._clean.pop(k) for k in keys if k in self._clean}
+        need = sum(self._pages[k].capacity for k in keys if k not in cached)
+        waited += self._make_room(pool, need, block=not optional)  # a read-ahead does not wait for writes
+        if optional and not pool.fits(need):
+            self.release(list(cached.values()), clean=True)
             return None
         tensors, futures = [], []
         for key in keys:
+            if key in cached:
+                tensors.append(cached[key])
+                continue
             page = self._pages[key]
             buf = pool.acquire(page.capacity)
             t = buf.view(page.dtype, page.numel)
-            self._buffers[id(t)] = (pool, buf)
+            with self._lock:
+                self._buffers[id(t)] = (pool, buf)
+                self._holds[id(t)] = (key, self._version.get(key, 0))
             tensors.append(t)
             futures.append(self.aio.submit(False, page, buf, account=not for_gather))
-        return SwapHandle(futures, tensors, on_error=lambda: self.release(tensors))
+        handle = SwapHandle(futures, tensors, on_error=lambda: self.release(tensors))
+        handle.waited = waited
+        return handle
 
     def staging(self, keys):
         """Staging buffers for SSD-tier ``keys`` without reading them (their contents are about to be
         overwritten); ``swap_out`` writes them."""
+        self._settle(keys)
+        self._make_room(self.pool, sum(self._pages[k].capacity for k in keys), block=True)
         tensors = []
         for key in keys:
             page = self._pages[key]
             buf = self.pool.acquire(page.capacity)
             t = buf.view(page.dtype, page.numel)
-            self._buffers[id(t)] = (self.pool, buf)
+            with self._lock:
+                self._buffers[id(t)] = (self.pool, buf)
             tensors.append(t)
         return tensors
 
-    def swap_out(self, keys, tensors):
-        futures = []
-        for key, t in zip(keys, tensors):
-            futures.append(self.aio.submit(True, self._pages[key], self._buffers[id(t)][1]))
-        return SwapHandle(futures, None, on_wait=lambda _h, ts=list(tensors): self.release(ts))
+    def swap_out(self, keys, tensors, keep=()):
+        """``keep``: parameter shards whose tensor, once written, stays cached as the shard's clean copy in
+        the parameter pool, if that pool has room (the next ``swap_in`` of the key is served from it)."""
+        stale = []
+        with self._lock:
+            for key, t in zip(keys, tensors):
+                self._version[key] = self._version.get(key, 0) + 1
+                self._holds[id(t)] = (key, self._version[key])  # what it holds once written
+                if key in self._clean:
+                    stale.append(self._clean.pop(key))
+        self.release(stale)
+        futures = [self.aio.submit(True, self._pages[k], self._buffers[id(t)][1]) for k, t in zip(keys, tensors)]
+        kept = [t for k, t in zip(keys, tensors) if k in keep]
+        rest = [t for k, t in zip(keys, tensors) if k not in keep]
 
-    def release(self, tensors: list[torch.Tensor]) -> None:
-        """Return swapped-in tensors' staging buffers to the pool (without writing them)."""
-        for t in tensors:
-            pool, buf = self._buffers.pop(id(t))
+        def written(failed: bool) -> None:
+            for t in kept:
+                pool, buf = self._buffers[id(t)]
+                moved = pool is self.param_pool or pool.give(buf, self.param_pool)
+                if moved:
+                    with self._lock:
+                        self._buffers[id(t)] = (self.param_pool, buf)
+                self.release([t], clean=moved and not failed)
+            self.release(rest)
+
+        handle = SwapHandle(futures, None, on_wait=written)
+        with self._lock:
+            for key in keys:
+                self._writing[key] = handle
+        return handle
+
+    def release(self, tensors: list[torch.Tensor], clean: bool = False) -> None:
+        """Return swapped-in tensors' staging buffers to their pool. ``clean``: the tensors were not changed,
+        so each may stay cached as its shard's clean copy (if no write to the shard started since its read)."""
+        freed = []
+        with self._lock:
+            for t in tensors:
+                key, version = self._holds.pop(id(t), (None, -1))
+                if clean and key is not None and version == self._version.get(key, 0) and key not in self._clean:
+                    self._clean[key] = t
+                    self._holds[id(t)] = (key, version)
+                else:
+                    freed.append(self._buffers.pop(id(t)))
+        for pool, buf in freed:
             pool.release(buf)
+
+    def held_unchanged(self, key: str) -> bool:
+        with self._lock:
+            if key in self._clean:
+                return False
+            now = (key, self._version.get(key, 0))
+            return any(h == now for h in self._holds.values())
+
+    def cached_bytes(self, pool: BufferPool | None = None) -> int:
+        """Bytes of staging buffers (of ``pool``, or of both) held as clean copies of shards."""
+        with self._lock:
+            held = [self._buffers[id(t)] for t in self._clean.values()]
+        return sum(buf.capacity for p, buf in held if pool is None or p is pool)
+
+    def synchronize_writes(self) -> None:
+        """Wait for every write still in flight (raising the first one's error, after all have ended)."""
+        errors = []
+        for h in self._writes_in_flight():
+            try:
+                self._finish(h)
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def _writes_in_flight(self) -> list[SwapHandle]:
+        with self._lock:
+            return list(dict.fromkeys(self._writing.values()))  # oldest first
+
+    def _finish(self, handle: SwapHandle) -> float:
+        """Forget ``handle``'s keys and wait for it; the seconds blocked."""
+        with self._lock:
+            for key in [k for k, h in self._writing.items() if h is handle]:
+                del self._writing[key]
+        t0 = time.perf_counter()
+        handle.wait()
+        return time.perf_counter() - t0
+
+    def _settle(self, keys) -> float:
+        """Wait for the writes in flight to ``keys``: a page file's reads and writes keep their order. The
+        seconds blocked."""
+        with self._lock:
+            handles = list(dict.fromkeys(h for k in keys if (h := self._writing.get(k)) is not None))
+        return sum(self._finish(h) for h in handles)
+
+    def _invalidate(self, key: str) -> None:
+        """``key``'s page file is about to change outside swap_out: its clean copy is stale."""
+        with self._lock:
+            self._version[key] = self._version.get(key, 0) + 1
+            stale = [self._clean.pop(key)] if key in self._clean else []
+        self.release(stale)
+
+    def _make_room(self, pool: BufferPool, nbytes: int, block: bool) -> float:
+        """Make room for ``nbytes`` more in ``pool``: finished writes give their buffers back; then, while
+        they do not fit, drop the oldest clean copy or, when ``block``, wait for the oldest write (writes
+        hold optimizer staging buffers only). The seconds blocked."""
+        writes = self._writes_in_flight() if pool is self.pool else []
+        waited = sum(self._finish(h) for h in writes if h.done())
+        while not pool.fits(nbytes):
+            with self._lock:
+                victim = next((k for k, t in self._clean.items() if self._buffers[id(t)][0] is pool), None)
+                t = self._clean.pop(victim) if victim is not None else None
+            if t is not None:
+                self.release([t])
+                continue
+            writes = self._writes_in_flight() if pool is self.pool and block else []
+            if not writes:
+                break
+            waited += self._finish(writes[0])
+        return waited
 
     def reserved(self, tier):
         ssd = (self.pool.limit or 0) + (self.param_pool.limit or 0) if tier == HOST else 0

@@ -8,6 +8,7 @@ and the byte accounting (``memory_report``) is exact by construction.
 """
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -30,8 +31,9 @@ class MemoryReport:
     gathered_now: int = 0
     gathered_peak: int = 0
     gathered_reserved: int = 0  # the max_contigous_params_size arena, allocated once (0: none)
-    swap_buffers_now: int = 0  # aligned host staging buffers of the SSD tier (in use), bytes
-    swap_buffers_peak: int = 0
+    swap_buffers_now: int = 0  # aligned host staging buffers of the SSD tier in use by I/O or the optimizer, bytes
+    swap_buffers_peak: int = 0  # (clean copies included)
+    ssd_cached: int = 0  # staging buffers held as clean copies of SSD shards (both pools; dropped when room is needed)
     param_staging_peak: int = 0  # host buffers of SSD parameter shards read for gathers (peak held)
     copy_staging: int = 0  # pinned host staging of host <-> device copies (held; the pools never shrink)
     budget: dict[str, int] = field(default_factory=dict)  # bytes allowed per tier
@@ -47,7 +49,8 @@ class MemoryReport:
             f"{t}={v / 2**20:.2f}MiB [" + " ".join(f"{k}={n / 2**20:.2f}" for (k, tt), n in self.by_kind_tier.items()
                                                     if tt == t) + "]" for t, v in self.by_tier.items())
         swap = (f"; SSD staging buffers now {self.swap_buffers_now / 2**20:.2f}MiB, peak "
-                f"{self.swap_buffers_peak / 2**20:.2f}MiB") if self.by_tier.get(NVME) else ""
+                f"{self.swap_buffers_peak / 2**20:.2f}MiB, clean copies {self.ssd_cached / 2**20:.2f}MiB"
+                ) if self.by_tier.get(NVME) else ""
         arena = f" of a {self.gathered_reserved / 2**20:.2f}MiB arena" if self.gathered_reserved else ""
         return (f"model states {self.total / 2**20:.2f}MiB ({kinds}; {tiers}); gathered params now "
                 f"{self.gathered_now / 2**20:.2f}MiB, peak {self.gathered_peak / 2**20:.2f}MiB{arena}{swap}")
@@ -94,24 +97,38 @@ class ShardStore(ABC):
 
         The copy is complete when this returns, so ``value`` may be freed or unmapped right after."""
 
-    def swap_in(self, keys: list[str], for_gather: bool = False, optional: bool = False) -> "SwapHandle | None":
+    def swap_in(self, keys: list[str], for_gather: bool = False, optional: bool = False,
+                params: bool = False) -> "SwapHandle | None":
         """Start reading SSD-tier ``keys`` into host staging buffers; ``wait()`` returns the tensors.
 
-        ``for_gather``: parameter shards read for an all-gather (their own accounted buffer pool).
-        ``optional``: return None instead of failing when the staging reserve is full (read-ahead)."""
+        ``for_gather``: parameter shards read for an all-gather (their own accounted buffer pool, outside the
+        optimizer's I/O statistics). ``params``: parameter shards into that pool, for the optimizer.
+        ``optional``: return None instead of failing when the staging reserve is full (read-ahead). A shard
+        with a clean copy is served from it, without I/O."""
         raise ValueError(f"this store has no SSD tier; shards {keys} cannot be swapped in")
 
     def staging(self, keys: list[str]) -> list[torch.Tensor]:
         """Host staging buffers for SSD-tier ``keys`` whose contents will be overwritten (not read)."""
         raise ValueError(f"this store has no SSD tier; shards {keys} have no staging buffers")
 
-    def swap_out(self, keys: list[str], tensors: list[torch.Tensor]) -> "SwapHandle":
-        """Start writing swapped-in tensors back to SSD and recycle their buffers once written."""
+    def swap_out(self, keys: list[str], tensors: list[torch.Tensor], keep=()) -> "SwapHandle":
+        """Start writing swapped-in tensors back to SSD and recycle their buffers once written (the parameter
+        shards of ``keep`` stay cached as clean copies while the parameter pool has room). Nobody has to wait
+        for the handle: later access to these shards waits for the write first."""
         raise ValueError(f"this store has no SSD tier; shards {keys} cannot be swapped out")
 
-    def release(self, tensors: list[torch.Tensor]) -> None:
-        """Hand swapped-in tensors' staging buffers back without writing them."""
+    def release(self, tensors: list[torch.Tensor], clean: bool = False) -> None:
+        """Hand swapped-in tensors' staging buffers back without writing them; ``clean``: they are unchanged
+        and may stay cached as clean copies."""
         raise ValueError("this store has no SSD tier; nothing was swapped in")
+
+    def held_unchanged(self, key: str) -> bool:
+        """Whether a tensor swapped in (not cached) holds ``key``'s current contents: released clean, it will
+        serve the next ``swap_in`` of ``key`` without I/O."""
+        return False
+
+    def synchronize_writes(self) -> None:  # noqa: B027 (only the SSD tier has writes in flight)
+        """Wait for every ``swap_out`` still in flight; raise the first failure."""
 
     def close(self) -> None:  # noqa: B027 (optional hook: only the SSD tier has files and threads)
         """Release files and threads (the SSD tier removes its swap directory)."""
@@ -123,11 +140,15 @@ def check_range(key: str, lo: int, hi: int, numel: int) -> None:
 
 
 class SwapHandle:
-    """An SSD transfer in flight; ``wait()`` returns its tensors and counts the time spent blocked."""
+    """An SSD transfer in flight; ``wait()`` returns its tensors and counts the time spent blocked.
+
+    Any thread may wait, more than once: the first wait runs the completion (``on_wait(failed)``: buffers
+    go back to their pool) and raises the transfer's error; later ones return at once."""
 
     def __init__(self, futures, result, on_wait=None, on_error=None):
         self._futures, self._result = futures, result
         self._on_wait, self._on_error = on_wait, on_error
+        self._lock = threading.Lock()
         self.waited = 0.0
 
     def done(self) -> bool:
@@ -135,22 +156,23 @@ class SwapHandle:
 
     def wait(self):
         t0 = time.perf_counter()
-        errors = []
-        for f in self._futures:
-            try:
-                f.result()
-            except BaseException as e:  # wait for every job before raising, so no buffer is still in use
-                errors.append(e)
-        self._futures = []
-        self.waited += time.perf_counter() - t0
-        if self._on_wait is not None:
-            self._on_wait(self)
-            self._on_wait = None
-        if errors:
-            if self._on_error is not None:
-                self._on_error()
-                self._on_error = None
-            raise errors[0]
+        with self._lock:
+            errors = []
+            for f in self._futures:
+                try:
+                    f.result()
+                except BaseException as e:  # wait for every job before raising, so no buffer is still in use
+                    errors.append(e)
+            self._futures = []
+            self.waited += time.perf_counter() - t0
+            if self._on_wait is not None:
+                self._on_wait(bool(errors))
+                self._on_wait = None
+            if errors:
+                if self._on_error is not None:
+                    self._on_error()
+                    self._on_error = None
+                raise errors[0]
         return self._result
 
 

@@ -64,8 +64,12 @@ def _run_cases(rank, world_size, nvme):
         n_files = len(os.listdir(swap_dir)) if swap_dir else 0
         losses = train_engine(engine, batches(), rank, world_size)
         stats = engine.swap_stats()
-        sg_bytes = [sum(len(engine.chunks[i].opt_swapped()) * aio.round_up(4 * engine.chunks[i].plan.shard)
-                        for i in sg) for sg in engine.sub_groups]
+        engine.synchronize_writes()  # the last step's write-backs may still be in flight
+        # Optimizer staging per sub-group: its SSD states but the parameter shards, which the gathers hand
+        # the step as clean copies in the parameter pool.
+        staged = {i: len(set(c.opt_swapped()) - {"param"}) * aio.round_up(4 * c.plan.shard)
+                  for i, c in enumerate(engine.chunks)}
+        sg_bytes = [sum(staged[i] for i in sg) for sg in engine.sub_groups]
         out[name] = {"losses": losses, "weights": to_numpy(engine.gather_state_dict()),
                      "report": engine.memory_report(), "stats": stats, "files": n_files,
                      "sub_group_bytes": sg_bytes, "swapped": list(engine.optimizer.swapped),
@@ -117,7 +121,12 @@ def test_states_on_ssd_match_reference(ssd_results, reference, case):
         if any(res["swapped"]):
             stats = res["stats"]
             file_bytes = sum(len(opt) * (aio.HEADER_BYTES + aio.round_up(4 * shard)) for shard, _, opt in res["ssd"])
-            assert stats.bytes_read == stats.bytes_written == file_bytes  # each state read and written once
+            # Each state is written once per step. Read once too, except the parameter shards on SSD: the
+            # backward's gathers hand them back as clean copies, which the optimizer takes without I/O.
+            param_bytes = sum(aio.HEADER_BYTES + aio.round_up(4 * shard)
+                              for shard, _, opt in res["ssd"] if "param" in opt)
+            assert (param_bytes > 0) == case.endswith("params-on-ssd")
+            assert stats.bytes_written == file_bytes and stats.bytes_read == file_bytes - param_bytes
             assert 0.0 <= stats.overlap <= 1.0 and stats.io_seconds > 0
             sizes = [b for b, s in zip(res["sub_group_bytes"], res["swapped"]) if s]
             if "pipeline" in case:
@@ -146,8 +155,8 @@ def _param_read_ahead(rank, world_size, nvme):
     events = engine.profiler.events
     swap_in = engine.store.swap_in
 
-    def logged(keys, for_gather=False, optional=False):
-        handle = swap_in(keys, for_gather, optional)
+    def logged(keys, for_gather=False, optional=False, **kw):
+        handle = swap_in(keys, for_gather, optional, **kw)
         if handle is not None:
             events.append(("ssd_read" if for_gather else "ssd_read_states", keys[0]))
         return handle
@@ -158,6 +167,7 @@ def _param_read_ahead(rank, world_size, nvme):
         train_engine(engine, batches(2), rank, world_size, steps=[s])
         steps.append([e if isinstance(e, tuple) else (e.op, e.tag) for e in events])
         events.clear()
+    engine.synchronize_writes()
     report = engine.memory_report()
     engine.close()
     return steps, report
@@ -188,6 +198,59 @@ def test_parameter_shards_are_read_ahead_of_their_gathers(tmp_path):
         first_read = next(i for i, e in enumerate(events) if e[0] == "ssd_read_states")
         assert first_read < next(i for i, e in enumerate(events) if e[0] == "reduce_scatter")
     assert report.swap_buffers_now == 0 and report.peak_by_tier["host"] <= report.budget["host"]
+
+
+def _param_reads(rank, world_size, nvme, keep):
+    """Per step: SSD reads and all-gathers per chunk with parameter shards on SSD; the losses. ``keep=False``
+    takes the keep budget away (every gather reads its shard)."""
+    engine = _engine(_nvme_config(world_size, nvme, offload_param="nvme"))
+    if not keep:
+        engine.coordinator.keep_limit = 0
+    counts = []
+    swap_in, all_gather = engine.store.swap_in, engine.comm.all_gather
+
+    def read(keys, for_gather=False, optional=False, **kw):
+        handle = swap_in(keys, for_gather, optional, **kw)
+        if handle is not None and for_gather:
+            counts[-1]["read"].append(keys[0].split(".")[0])
+        return handle
+
+    def gather(*args, tag="", **kw):
+        counts[-1]["gather"].append(tag.replace("chunk", "c"))
+        return all_gather(*args, tag=tag, **kw)
+
+    submit = engine.store.aio.submit
+
+    def disk(write, page, buf, account=True):
+        if not write and page.key.endswith(".param"):
+            counts[-1]["disk"].append(page.key.split(".")[0])
+        return submit(write, page, buf, account)
+
+    engine.store.swap_in, engine.comm.all_gather, engine.store.aio.submit = read, gather, disk
+    losses = []
+    for s in range(3):
+        counts.append({"read": [], "gather": [], "disk": []})
+        losses += train_engine(engine, batches(3), rank, world_size, steps=[s])
+    limit, on_ssd = engine.coordinator.keep_limit, [f"c{c.index}" for c in engine.chunks if "param" in c.swapped]
+    engine.close()
+    return counts, losses, limit, on_ssd
+
+
+@pytest.mark.multiprocess
+def test_parameter_shards_are_read_from_ssd_once(tmp_path):
+    kept = run_distributed(_param_reads, DP, str(tmp_path / "keep"), True, timeout=180)[0]
+    plain = run_distributed(_param_reads, DP, str(tmp_path / "plain"), False, timeout=180)[0]
+    counts, losses, limit, on_ssd = kept
+    assert limit > 0 and on_ssd  # the machine's default host budget holds every shard
+    for step in counts:
+        assert sorted(step["read"]) == sorted(on_ssd)  # the gathers ask for each shard once per step
+        assert all(step["gather"].count(c) >= 2 for c in on_ssd)  # though gathered for forward and backward
+    # From the disk: once in the first forward; then never, because the optimizer's written shards stay as
+    # clean copies for the next forward, and the backward's are handed to the optimizer the same way.
+    assert sorted(counts[0]["disk"]) == sorted(on_ssd) and counts[1]["disk"] == counts[2]["disk"] == []
+    for step in plain[0]:  # without the budget, every gather asks for its shard again
+        assert all(step["read"].count(c) == step["gather"].count(c) for c in on_ssd)
+    assert losses == plain[1]  # bit for bit
 
 
 # ---- resume -----------------------------------------------------------------------------------------------
@@ -275,6 +338,7 @@ def test_damaged_page_file_is_a_clear_error(tmp_path, damage):
 def test_corrupted_state_during_training_stops_the_step(tmp_path):
     engine = _engine(_nvme_config(1, str(tmp_path)))
     train_engine(engine, batches(2), 0, 1, steps=[0])
+    engine.synchronize_writes()  # damage the file after the step's write-back, not under it
     victim = os.path.join(engine.store.directory, "c2.exp_avg.swp")
     with open(victim, "r+b") as f:
         f.seek(aio.HEADER_BYTES)
