@@ -348,10 +348,10 @@ class SSDStore(DeviceHostStore):
 
     def _make_room(self, pool: BufferPool, nbytes: int, block: bool) -> float:
         """Make room for ``nbytes`` more in ``pool``: finished writes give their buffers back; then, while
-        they do not fit, drop the oldest clean copy or, when ``block``, wait for the oldest write (writes
-        hold optimizer staging buffers only). The seconds blocked."""
-        writes = self._writes_in_flight() if pool is self.pool else []
-        waited = sum(self._finish(h) for h in writes if h.done())
+        they do not fit, drop the oldest clean copy or, when ``block``, wait for the oldest write (a write
+        holds buffers of either pool: the optimizer also writes parameter shards it took as clean copies).
+        The seconds blocked."""
+        waited = sum(self._finish(h) for h in self._writes_in_flight() if h.done())
         while not pool.fits(nbytes):
             with self._lock:
                 victim = next((k for k, t in self._clean.items() if self._buffers[id(t)][0] is pool), None)
@@ -359,7 +359,7 @@ class SSDStore(DeviceHostStore):
             if t is not None:
                 self.release([t])
                 continue
-            writes = self._writes_in_flight() if pool is self.pool and block else []
+            writes = self._writes_in_flight() if block else []
             if not writes:
                 break
             waited += self._finish(writes[0])

@@ -187,6 +187,31 @@ def test_a_written_shard_is_served_from_its_clean_copy_and_a_stale_one_never(tmp
     store.close()
 
 
+def test_a_gather_read_waits_for_a_write_holding_the_parameter_pool(tmp_path, monkeypatch):
+    one = aio.round_up(4 * N)
+    store = _store(tmp_path, staging_bytes=one, param_staging_bytes=one)
+    for key in ("p", "q"):
+        store.allocate(key, "params", "nvme", N, torch.float32)
+    gate = Gate(monkeypatch, held={"p"})
+    (t,) = store.swap_in(["p"]).wait()
+    gate.open()
+    store.swap_out(["p"], [t], keep=["p"]).wait()  # a clean copy in the parameter pool
+    gate.event.clear()
+    (t,) = store.swap_in(["p"]).wait()  # the optimizer takes it (a parameter-pool buffer) and writes it again
+    t.fill_(4.0)
+    store.swap_out(["p"], [t], keep=["p"])
+    reader, got = _in_thread(lambda: store.swap_in(["q"], for_gather=True).wait())
+    reader.join(0.3)
+    assert reader.is_alive()  # waits for the write that holds the pool's room, instead of failing
+    gate.open()
+    reader.join(30)
+    (q,) = got[0]
+    assert torch.equal(q, torch.zeros(N))
+    store.release([q])
+    assert torch.equal(store.read("p"), torch.full((N,), 4.0))
+    store.close()
+
+
 def _losses(path, monkeypatch=None, steps=3):
     """Losses and final weights; with ``monkeypatch``, the first step's SSD write-backs are held until it has
     returned (and the test checks that it does)."""
