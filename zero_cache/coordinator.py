@@ -92,7 +92,8 @@ class ParamCoordinator:
         self.ssd_reads: dict[int, object] = {}  # chunk -> SwapHandle of its parameter shard being read
         self.staged: dict[int, torch.Tensor] = {}  # chunk -> shard buffer an in-flight gather reads
         self._serves: dict[int, int] = {}  # chunk -> trace position its gather in flight serves
-        self.kept: dict[int, tuple[torch.Tensor, object]] = {}  # chunk -> (SSD shard buffer, copy's source_free)
+        self.kept: dict[int, tuple[torch.Tensor, object, int]] = {}  # chunk -> (SSD shard buffer, copy's
+        # source_free, its staging bytes)
         self.keep_limit, self.kept_bytes = keep_param_bytes, 0
         self.params_on_ssd = any("param" in c.swapped for c in chunks)
         self.comm = comm
@@ -332,13 +333,13 @@ class ParamCoordinator:
                  and bisect.bisect_right(positions, served) < len(positions))
         if not again or self.kept_bytes + nbytes > self.keep_limit:
             return False
-        self.kept[c] = (buf, source_free)
+        self.kept[c] = (buf, source_free, nbytes)
         self.kept_bytes += nbytes
         return True
 
     def _unkeep(self, c: int) -> tuple[torch.Tensor, object]:
-        buf, source_free = self.kept.pop(c)
-        self.kept_bytes -= round_up(buf.numel() * buf.element_size())
+        buf, source_free, nbytes = self.kept.pop(c)
+        self.kept_bytes -= nbytes
         return buf, source_free
 
     def chunk_done(self, c: int) -> None:
