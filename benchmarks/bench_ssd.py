@@ -2,7 +2,7 @@
 disk, and optimizer step elements/s with the states on the host and on SSD against torch's fused AdamW and
 DeepSpeedCPUAdam, all in one run. Prints a table.
 
-    python -m benchmarks.bench_ssd [--nvme-path /tmp] [--mib 512] [--shards 8] [--params 16e6] [--steps 3] [--rounds 3]
+    python -m benchmarks.bench_ssd [--nvme-path /tmp] [--mib 512] [--shards 8] [--params 16e6] [--steps 10] [--rounds 3]
 
 1. I/O: ``--mib`` MiB split into ``--shards`` page files of zero_cache's SSDStore (O_DIRECT, XXH3-64 per page)
    written (swap_out) and read back (swap_in) ``--rounds`` times (medians) for each
@@ -12,7 +12,9 @@ DeepSpeedCPUAdam, all in one run. Prints a table.
 2. Optimizer: a stack of 1024x1024 Linear layers (``--params`` parameters) through the zero_cache engine
    (stage 3, DP 1), states on the host (offload_optimizer cpu) and on SSD (nvme, pipelined and not), timing
    ``engine.step()`` only; torch.optim.AdamW(fused=True) and DeepSpeedCPUAdam (AdamW mode, its AVX kernel)
-   on the same parameter shapes are the references.
+   on the same parameter shapes are the references. Medians over ``--steps`` steps. The host row and the
+   fused kernel take their steps in turn, in a rotating order, so a drift of the machine's speed reaches
+   both alike; then the two SSD rows the same way.
 
 DeepSpeed's rows run in the peers' venv (``source benchmarks/peers_env.sh`` once;
 ``benchmarks/peer_workers/ds_ssd_step.py``); without it they are left out with a note. Run from the
@@ -95,40 +97,68 @@ def _model(params: float) -> nn.Module:
     return nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(layers)])
 
 
-def _engine_step(params: float, steps: int, offload: dict, pipeline: bool) -> float:
+def _engine_stepper(params: float, offload: dict, pipeline: bool):
+    """(parameters, a function that runs one training step and returns the seconds of ``engine.step()``,
+    the engine) for the zero_cache engine with the optimizer states where ``offload`` puts them."""
     model = _model(params)
-    n = sum(p.numel() for p in model.parameters())
     cfg = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
            "zero_optimization": {"stage": 3, "allgather_bucket_size": 1 << 22, "sub_group_size": 1 << 22,
                                  "stage3_param_persistence_threshold": 2048, "pipeline_optimizer": pipeline,
                                  "offload_optimizer": offload}}
     engine = zero_cache.initialize(model=model, config=cfg)
     x = torch.randn(2, 1024)
-    times = []
-    for s in range(steps + 1):
+
+    def step() -> float:
         engine.backward(engine(x).square().mean())
         t0 = time.perf_counter()
         engine.step()
-        if s:  # the first step warms up
-            times.append(time.perf_counter() - t0)
-    stats = engine.swap_stats()
-    engine.close()
-    return n / (sum(times) / len(times)), stats
+        return time.perf_counter() - t0
+    return sum(p.numel() for p in model.parameters()), step, engine
 
 
-def _torch_fused(params: float, steps: int) -> float:
+def _fused_stepper(params: float):
+    """The same for torch.optim.AdamW(fused=True) on the model's parameters, gradients set once."""
     model = _model(params)
-    n = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
-    times = []
-    for s in range(steps + 1):
+
+    def step() -> float:
         t0 = time.perf_counter()
         opt.step()
-        if s:
-            times.append(time.perf_counter() - t0)
-    return n / (sum(times) / len(times))
+        return time.perf_counter() - t0
+    return sum(p.numel() for p in model.parameters()), step, None
+
+
+def _interleaved(rows: dict, steps: int) -> list[tuple[str, float, object]]:
+    """(name, elements/s, SSD traffic of the last step) of each row: median over ``steps`` steps after one
+    warm-up step. The rows take their steps in turn, in an order rotated every round, so that they see the
+    same machine and none always runs right after the same other one (a row's memory traffic slows the
+    next one's first accesses)."""
+    times: dict[str, list[float]] = {name: [] for name in rows}
+    names = list(rows)
+    for s in range(steps + 1):
+        for name in names[s % len(names):] + names[:s % len(names)]:
+            t = rows[name][1]()
+            if s:  # the first step allocates the moments and warms up
+                times[name].append(t)
+    out = []
+    for name, (n, _, engine) in rows.items():
+        stats = engine.swap_stats() if engine is not None else None
+        if engine is not None:
+            engine.close()
+        out.append((name, n / statistics.median(times[name]), stats))
+    return out
+
+
+def _optimizer_rows(params: float, steps: int, nvme_path: str) -> list[tuple[str, float, object]]:
+    """The in-process rows: the states in memory against the bare kernel, then the two SSD rows."""
+    nvme = {"device": "nvme", "nvme_path": nvme_path}
+    out = _interleaved({"torch AdamW(fused=True), in memory": _fused_stepper(params),
+                        "zero_cache, states on host": _engine_stepper(params, {"device": "cpu"}, True)}, steps)
+    return out + _interleaved({"zero_cache, states on SSD, pipelined": _engine_stepper(params, nvme, True),
+                               "zero_cache, states on SSD, not pipelined": _engine_stepper(params, nvme, False)},
+                              steps)
 
 
 def main() -> None:
@@ -137,40 +167,37 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=512)
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--params", type=float, default=16e6)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10, help="optimizer steps per row (medians reported)")
     ap.add_argument("--rounds", type=int, default=3, help="I/O passes per setting (medians reported)")
+    ap.add_argument("--part", choices=("all", "io", "optimizer"), default="all", help="run one of the two parts")
     args = ap.parse_args()
     os.makedirs(args.nvme_path, exist_ok=True)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    rows = []
-    print(f"[1/3] dd O_DIRECT, {args.mib} MiB ...", flush=True)
-    w, r = _dd(os.path.join(args.nvme_path, "bench_ssd_dd.bin"), args.mib)
-    rows.append(("dd bs=1M O_DIRECT", f"{w:.2f}", f"{r:.2f}"))
-    settings = [(1, 1 << 20), (2, 1 << 20), (4, 1 << 20), (2, 8 << 20)]
-    for k, (threads, block) in enumerate(settings):
-        print(f"[2/3] SSD tier threads={threads} block={block >> 20}MiB ({k + 1}/{len(settings)}) ...", flush=True)
-        w, r = _store_io(args.nvme_path, args.mib, args.shards, threads, block, args.rounds)
-        rows.append((f"zero_cache SSD tier, {threads} thr, {block >> 20} MiB blocks", f"{w:.2f}", f"{r:.2f}"))
-        ds = _deepspeed("io", "--path", args.nvme_path, "--mib", str(args.mib), "--shards", str(args.shards),
-                        "--threads", str(threads), "--block", str(block), "--rounds", str(args.rounds))
-        if ds is not None:
-            rows.append((f"DeepSpeed aio, {threads} thr, {block >> 20} MiB blocks", f"{ds['write_gbs']:.2f}",
-                         f"{ds['read_gbs']:.2f}"))
-    print(f"\n{'I/O (' + str(args.mib) + ' MiB)':<48} {'write GB/s':>10} {'read GB/s':>10}")
-    for name, w, r in rows:
-        print(f"{name:<48} {w:>10} {r:>10}")
-
+    if args.part != "optimizer":
+        rows = []
+        print(f"[1/3] dd O_DIRECT, {args.mib} MiB ...", flush=True)
+        w, r = _dd(os.path.join(args.nvme_path, "bench_ssd_dd.bin"), args.mib)
+        rows.append(("dd bs=1M O_DIRECT", f"{w:.2f}", f"{r:.2f}"))
+        settings = [(1, 1 << 20), (2, 1 << 20), (4, 1 << 20), (2, 8 << 20)]
+        for k, (threads, block) in enumerate(settings):
+            print(f"[2/3] SSD tier threads={threads} block={block >> 20}MiB ({k + 1}/{len(settings)}) ...", flush=True)
+            w, r = _store_io(args.nvme_path, args.mib, args.shards, threads, block, args.rounds)
+            rows.append((f"zero_cache SSD tier, {threads} thr, {block >> 20} MiB blocks", f"{w:.2f}", f"{r:.2f}"))
+            ds = _deepspeed("io", "--path", args.nvme_path, "--mib", str(args.mib), "--shards", str(args.shards),
+                            "--threads", str(threads), "--block", str(block), "--rounds", str(args.rounds))
+            if ds is not None:
+                rows.append((f"DeepSpeed aio, {threads} thr, {block >> 20} MiB blocks", f"{ds['write_gbs']:.2f}",
+                             f"{ds['read_gbs']:.2f}"))
+        print(f"\n{'I/O (' + str(args.mib) + ' MiB)':<48} {'write GB/s':>10} {'read GB/s':>10}")
+        for name, w, r in rows:
+            print(f"{name:<48} {w:>10} {r:>10}")
+    if args.part == "io":
+        return
     print(f"\n[3/3] optimizer step, {args.params / 1e6:.0f}M params ...", flush=True)
-    nvme = {"device": "nvme", "nvme_path": args.nvme_path}
-    opt_rows = [("torch AdamW(fused=True), in memory", _torch_fused(args.params, args.steps), None)]
+    opt_rows = _optimizer_rows(args.params, args.steps, args.nvme_path)
     ds = _deepspeed("adam", "--params", str(args.params), "--steps", str(args.steps))
     if ds is not None:
-        opt_rows.append(("DeepSpeedCPUAdam, in memory", ds["elements_per_s"], None))
-    for name, offload, pipe in (("zero_cache, states on host", {"device": "cpu"}, True),
-                                ("zero_cache, states on SSD, pipelined", nvme, True),
-                                ("zero_cache, states on SSD, not pipelined", nvme, False)):
-        rate, stats = _engine_step(args.params, args.steps, offload, pipe)
-        opt_rows.append((name, rate, stats))
+        opt_rows.insert(1, ("DeepSpeedCPUAdam, in memory", ds["elements_per_s"], None))
     print(f"{'optimizer step':<48} {'Melem/s':>10}  SSD traffic of the last step")
     for name, rate, stats in opt_rows:
         print(f"{name:<48} {rate / 1e6:>10.1f}  {stats or ''}")
