@@ -1,9 +1,15 @@
 """Megatron's pretraining sampler and the data loader built on it (exact resume from consumed samples)."""
 from __future__ import annotations
 
+import multiprocessing
 from typing import Iterator
 
 import torch
+
+# What the data loader's forkserver imports once, before any worker forks from it: without it every worker
+# imports torch and the datasets itself (seconds each), and the first step of a run waits for all of them.
+_WORKER_PRELOAD = ["torch", "megatron.data.gpt_dataset", "megatron.data.blendable_dataset",
+                   "megatron.data.mock_dataset"]
 
 
 class MegatronPretrainingSampler:
@@ -55,10 +61,17 @@ def build_pretraining_data_loader(dataset: torch.utils.data.Dataset | None, cons
                                          data_parallel_rank, data_parallel_size)
     # Its own generator: starting an iterator draws a worker seed, which must not advance the global
     # RNG (dropout) stream, or a resumed run would diverge from the uninterrupted one.
-    # Workers come from a forkserver, not fork: a forked worker keeps every page the trainer holds at fork
-    # time, so each page the trainer writes afterwards (gradient shards, gigabytes at scale) is duplicated.
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                        generator=torch.Generator().manual_seed(consumed_samples),
                                        pin_memory=torch.cuda.is_available(),
                                        persistent_workers=num_workers > 0,
-                                       multiprocessing_context="forkserver" if num_workers > 0 else None)
+                                       multiprocessing_context=_worker_context() if num_workers > 0 else None)
+
+
+def _worker_context():
+    """Workers come from a forkserver, not fork: a forked worker keeps every page the trainer holds at fork
+    time, so each page the trainer writes afterwards (gradient shards, gigabytes at scale) is duplicated.
+    The server imports torch and the datasets once (a preload takes effect only before it starts)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_WORKER_PRELOAD)
+    return ctx
