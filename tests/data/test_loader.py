@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from collections import Counter, defaultdict
 
 import numpy as np
@@ -74,6 +76,29 @@ def test_worker_processes_do_not_change_batches():
     plain = [b["text"] for b in build_pretraining_data_loader(dataset, 4, 4, 0, 1, num_workers=0)]
     workers = [b["text"] for b in build_pretraining_data_loader(dataset, 4, 4, 0, 1, num_workers=2)]
     assert len(plain) == 5 and all(torch.equal(a, b) for a, b in zip(plain, workers))
+
+
+_SERVER_CHECK = """
+import psutil
+from megatron.data import build_pretraining_data_loader
+from megatron.data.mock_dataset import MockGPTDataset
+
+it = iter(build_pretraining_data_loader(MockGPTDataset("train", 24, 16, 300, seed=1), 0, 4, 0, 1, num_workers=2))
+next(it)
+(server,) = [p for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())]
+workers = server.children()
+libtorch = [m.path for m in server.memory_maps() if "libtorch_cpu" in m.path]
+print(len(workers), bool(libtorch))
+"""
+
+
+@pytest.mark.multiprocess
+def test_workers_fork_from_a_server_that_imported_torch():
+    """In a fresh process (no forkserver yet): the loader's workers are children of one forkserver that
+    mapped libtorch before they forked, so no worker imports torch itself."""
+    out = subprocess.run([sys.executable, "-c", _SERVER_CHECK], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["2", "True"]
 
 
 def test_mock_data_is_deterministic_and_learnable():

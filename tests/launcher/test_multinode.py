@@ -198,41 +198,54 @@ def single_host_losses():
     return losses
 
 
-@pytest.mark.parametrize("victim", [1, 0], ids=["second-node", "store-host"])
-def test_gpt_survives_a_node_whose_torchrun_is_killed(hosts, tmp_path, single_host_losses, victim):
-    """GPT over two hosts trains like one host (TP=2 within each node, DP across); a node loses its torchrun.
-    Node 1: its torchrun is started again and rejoins; node 0 hosts the rendezvous store, so every node
-    starts again. Either way every rank resumes from the last checkpoint and the losses are the reference's."""
+def test_gpt_survives_each_node_losing_its_torchrun(hosts, tmp_path, single_host_losses):
+    """GPT over two hosts trains like one host (TP=2 within each node, DP across), while each node in turn
+    loses its torchrun. Node 1: its torchrun is started again and rejoins. Node 0 hosts the rendezvous store,
+    so every node starts again. Each time every rank resumes from the last checkpoint, and the losses are the
+    reference's."""
     ckpt = tmp_path / "ckpt"
-    live = LiveLauncher(*_ssh_args(hosts), "--max_restarts", "1", "pretrain_gpt.py", *_restart_args(ckpt),
+    live = LiveLauncher(*_ssh_args(hosts), "--max_restarts", "2", "pretrain_gpt.py", *_restart_args(ckpt),
                         netns=hosts.namespaces[0], env=GLOO_ENV)
+    segments = []  # (victim, restart line, first line of the resumed training)
     try:
-        live.wait_for(re.compile(r"iteration\s+7/"), timeout=300)
-        os.kill(_torchrun_pid(hosts, hosts.namespaces[victim]), signal.SIGKILL)
-        killed_at = time.monotonic()
-        restart = live.wait_for("ptm-launch: restart 1 of 1:", timeout=120)
-        resumed = int(re.search(r"from iteration (\d+)", live.lines[restart])[1])
-        again = live.wait_for(re.compile(rf"iteration\s+{resumed + 1}/"), timeout=300, after=restart)
+        seen = 0
+        for victim, kill_after in ((1, 7), (0, 10)):  # checkpoints every 3 iterations: resumes at 6, then at 9
+            seen = live.wait_for(re.compile(rf"iteration\s+{kill_after}/"), timeout=300, after=seen)
+            os.kill(_torchrun_pid(hosts, hosts.namespaces[victim]), signal.SIGKILL)
+            killed_at = time.monotonic()
+            restart = live.wait_for(f"ptm-launch: restart {len(segments) + 1} of 2:", timeout=120, after=seen)
+            resumed = int(re.search(r"from iteration (\d+)", live.lines[restart])[1])
+            seen = live.wait_for(re.compile(rf"iteration\s+{resumed + 1}/"), timeout=300, after=restart)
+            print(f"\nnode {victim}'s torchrun killed -> iteration {resumed + 1} trained again after "
+                  f"{live.times[seen] - killed_at:.1f} s")
+            segments.append((victim, restart, seen))
         assert live.finish(timeout=300) == 0, live.output
     finally:
         if live.proc.poll() is None:
             live.proc.kill()
             hosts.kill_jobs()
-    seconds = live.times[again] - killed_at
-    print(f"\nnode {victim}'s torchrun killed -> iteration {resumed + 1} trained again after {seconds:.1f} s")
     out = live.output
     assert "ptm-launch: 4 process(es) on 2 node(s): 10.77.0.1 (node 0, ranks 0-1" in out
-    host = ("10.77.0.1", "10.77.0.2")[victim]
-    what = "it hosted the rendezvous, so every node starts again" if victim == 0 else "starting its torchrun again"
-    assert f"ptm-launch: node {victim} ({host}) lost its torchrun (killed by SIGKILL, exit code 137); {what}" in out
-    assert live.lines[restart].rstrip() == (
-        f"ptm-launch: restart 1 of 1: node {victim} ({host}) lost its torchrun (killed by SIGKILL, exit code 137); "
-        f"restarting all ranks from iteration {resumed} ({ckpt}/latest_checkpointed_iteration.txt); 0 restart(s) left")
-    assert "ptm-launch: restart 1: all 2 node(s) rejoined" in out
-    assert resumed >= 6
-    retrained = {i: float(v) for i, v in gpt_losses_by_iteration(live.lines[again:]).items()}
-    assert sorted(retrained) == list(range(resumed + 1, 13))
-    losses = {i: float(v) for i, v in gpt_losses_by_iteration(out).items()}
-    assert losses == pytest.approx({i: float(v) for i, v in single_host_losses.items()}, rel=1e-6)
-    assert retrained == pytest.approx({i: losses[i] for i in retrained}, rel=0)
+    reference = {i: float(v) for i, v in single_host_losses.items()}
+    before = {i: float(v) for i, v in gpt_losses_by_iteration(live.lines[:segments[0][1]]).items()}
+    assert sorted(before) == list(range(1, 8)) and before == pytest.approx({i: reference[i] for i in before}, rel=1e-6)
+    for n, (victim, restart, again) in enumerate(segments, start=1):
+        host = ("10.77.0.1", "10.77.0.2")[victim]
+        what = "it hosted the rendezvous, so every node starts again" if victim == 0 else "starting its torchrun again"
+        assert f"ptm-launch: node {victim} ({host}) lost its torchrun (killed by SIGKILL, exit code 137); {what}" in out
+        resumed = (6, 9)[n - 1]
+        assert live.lines[restart].rstrip() == (
+            f"ptm-launch: restart {n} of 2: node {victim} ({host}) lost its torchrun (killed by SIGKILL, exit code "
+            f"137); restarting all ranks from iteration {resumed} ({ckpt}/latest_checkpointed_iteration.txt); "
+            f"{2 - n} restart(s) left")
+        assert f"ptm-launch: restart {n}: all 2 node(s) rejoined" in "\n".join(live.lines[restart:])
+        end = segments[n][1] if n < len(segments) else len(live.lines)
+        retrained = {i: float(v) for i, v in gpt_losses_by_iteration(live.lines[again:end]).items()}
+        assert min(retrained) == resumed + 1 and max(retrained) >= (10 if n == 1 else 12)
+        # the same values to the bit as the run before the loss, and the single host's within 1e-6
+        assert retrained == pytest.approx({i: reference[i] for i in retrained}, rel=1e-6)
+        assert {i: v for i, v in before.items() if i in retrained} == pytest.approx(
+            {i: v for i, v in retrained.items() if i in before}, rel=0)
+        before.update(retrained)
+    assert sorted(before) == list(range(1, 13))
     assert hosts.wait_until_idle() == {}
