@@ -175,7 +175,7 @@ def test_unreachable_node_fails_the_job_before_the_collective_timeout(hosts):
         hosts.kill_jobs()  # the partitioned host's ranks would otherwise wait for their own timeout
 
 
-RESTART_ITERS = 15  # a kill after iteration 10 leaves five to go: the job cannot end before the kill lands
+RESTART_ITERS = 15  # the second kill, after iteration 10, leaves five to go: the job cannot end before it
 
 
 def _restart_args(ckpt: Path) -> list[str]:
@@ -209,10 +209,10 @@ def test_gpt_survives_each_node_losing_its_torchrun(hosts, tmp_path, single_host
     ckpt = tmp_path / "ckpt"
     live = LiveLauncher(*_ssh_args(hosts), "--max_restarts", "2", "pretrain_gpt.py", *_restart_args(ckpt),
                         netns=hosts.namespaces[0], env=GLOO_ENV)
-    segments = []  # (victim, restart line, first line of the resumed training)
+    segments = []  # (victim, restart line, iteration resumed from, first line of the resumed training)
     try:
-        seen = 0
-        for victim, kill_after in ((1, 7), (0, 10)):  # checkpoints every 3 iterations: resumes at 6, then at 9
+        seen, kill_after = 0, 7  # checkpoints every 3 iterations: resumes at 6, then (killed after 10) at 9
+        for victim in (1, 0):
             seen = live.wait_for(re.compile(rf"iteration\s+{kill_after}/"), timeout=300, after=seen)
             os.kill(_torchrun_pid(hosts, hosts.namespaces[victim]), signal.SIGKILL)
             killed_at = time.monotonic()
@@ -221,7 +221,8 @@ def test_gpt_survives_each_node_losing_its_torchrun(hosts, tmp_path, single_host
             seen = live.wait_for(re.compile(rf"iteration\s+{resumed + 1}/"), timeout=300, after=restart)
             print(f"\nnode {victim}'s torchrun killed -> iteration {resumed + 1} trained again after "
                   f"{live.times[seen] - killed_at:.1f} s")
-            segments.append((victim, restart, seen))
+            segments.append((victim, restart, resumed, seen))
+            kill_after = resumed + 4  # past the next checkpoint
         assert live.finish(timeout=300) == 0, live.output
     finally:
         if live.proc.poll() is None:
@@ -233,11 +234,11 @@ def test_gpt_survives_each_node_losing_its_torchrun(hosts, tmp_path, single_host
     before = {i: float(v) for i, v in gpt_losses_by_iteration(live.lines[:segments[0][1]]).items()}
     assert sorted(before) == list(range(1, max(before) + 1)) and max(before) >= 7
     assert before == pytest.approx({i: reference[i] for i in before}, rel=1e-6)
-    for n, (victim, restart, again) in enumerate(segments, start=1):
+    assert 6 <= segments[0][2] < segments[1][2] and all(seg[2] % 3 == 0 for seg in segments)
+    for n, (victim, restart, resumed, again) in enumerate(segments, start=1):
         host = ("10.77.0.1", "10.77.0.2")[victim]
         what = "it hosted the rendezvous, so every node starts again" if victim == 0 else "starting its torchrun again"
         assert f"ptm-launch: node {victim} ({host}) lost its torchrun (killed by SIGKILL, exit code 137); {what}" in out
-        resumed = (6, 9)[n - 1]
         assert live.lines[restart].rstrip() == (
             f"ptm-launch: restart {n} of 2: node {victim} ({host}) lost its torchrun (killed by SIGKILL, exit code "
             f"137); restarting all ranks from iteration {resumed} ({ckpt}/latest_checkpointed_iteration.txt); "
@@ -245,7 +246,7 @@ def test_gpt_survives_each_node_losing_its_torchrun(hosts, tmp_path, single_host
         assert f"ptm-launch: restart {n}: all 2 node(s) rejoined" in "\n".join(live.lines[restart:])
         end = segments[n][1] if n < len(segments) else len(live.lines)
         retrained = {i: float(v) for i, v in gpt_losses_by_iteration(live.lines[again:end]).items()}
-        assert min(retrained) == resumed + 1 and max(retrained) >= (10 if n == 1 else RESTART_ITERS)
+        assert min(retrained) == resumed + 1 and max(retrained) >= (resumed + 4 if n == 1 else RESTART_ITERS)
         # the same values to the bit as the run before the loss, and the single host's within 1e-6
         assert retrained == pytest.approx({i: reference[i] for i in retrained}, rel=1e-6)
         assert {i: v for i, v in before.items() if i in retrained} == pytest.approx(
