@@ -114,7 +114,10 @@ def exit_with(main: Callable[[], object]) -> NoReturn:
     """Entry of the trainer script: run ``main`` and exit with its status.
 
     A failed run leaves without interpreter teardown: tearing down a process group whose peers are gone can
-    abort (SIGABRT) or block, which would replace the real exit code and line with a misleading one.
+    abort (SIGABRT) or block, which would replace the real exit code and line with a misleading one. A run
+    that succeeded destroys its process group first: left to the interpreter's teardown, gloo's threads can
+    still hold work when Python is gone and abort the process ("terminate called without an active
+    exception"), turning a finished run into a failed rank.
     """
     try:
         main()
@@ -126,8 +129,10 @@ def exit_with(main: Callable[[], object]) -> NoReturn:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
+        _leave_process_group()
         raise
     except KeyboardInterrupt:
         sys.stdout.flush()
         os._exit(130)
+    _leave_process_group()
     sys.exit(0)

@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 
 import psutil
 import pytest
@@ -59,6 +60,35 @@ def test_a_rank_stopped_by_another_ones_failure_says_so(exc, other_rank, capsys,
     else:
         with pytest.raises(type(exc)):  # a bug of this rank: its traceback is the information
             errors.run_trainer(fail)
+
+
+_CLEAN_EXIT = """
+import sys
+import torch.distributed as dist
+from megatron.training import errors
+
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+destroy = dist.destroy_process_group
+
+def recorded():
+    print("destroyed", flush=True)
+    destroy()
+
+dist.destroy_process_group = recorded
+if sys.argv[1] == "returns":
+    errors.exit_with(lambda: None)
+errors.exit_with(lambda: sys.exit(0))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("how", ["returns", "exits-0"])
+def test_a_run_that_succeeds_destroys_its_process_group_before_exiting(how):
+    """Left to the interpreter's teardown, gloo's threads can abort a finished rank (SIGABRT)."""
+    proc = subprocess.run([sys.executable, "-c", _CLEAN_EXIT, how], capture_output=True, text=True, timeout=120,
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["destroyed"]
 
 
 @pytest.mark.multiprocess
