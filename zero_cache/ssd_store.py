@@ -252,14 +252,11 @@ class SSDStore(DeviceHostStore):
     def swap_out(self, keys, tensors, keep=()):
         """``keep``: parameter shards whose tensor, once written, stays cached as the shard's clean copy in
         the parameter pool, if that pool has room (the next ``swap_in`` of the key is served from it)."""
-        stale = []
+        for key in keys:
+            self._invalidate(key)
         with self._lock:
             for key, t in zip(keys, tensors):
-                self._version[key] = self._version.get(key, 0) + 1
                 self._holds[id(t)] = (key, self._version[key])  # what it holds once written
-                if key in self._clean:
-                    stale.append(self._clean.pop(key))
-        self.release(stale)
         futures = [self.aio.submit(True, self._pages[k], self._buffers[id(t)][1]) for k, t in zip(keys, tensors)]
         kept = [t for k, t in zip(keys, tensors) if k in keep]
         rest = [t for k, t in zip(keys, tensors) if k not in keep]
@@ -340,7 +337,7 @@ class SSDStore(DeviceHostStore):
         return sum(self._finish(h) for h in handles)
 
     def _invalidate(self, key: str) -> None:
-        """``key``'s page file is about to change outside swap_out: its clean copy is stale."""
+        """``key``'s page file is about to change: its clean copy is stale."""
         with self._lock:
             self._version[key] = self._version.get(key, 0) + 1
             stale = [self._clean.pop(key)] if key in self._clean else []
