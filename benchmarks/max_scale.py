@@ -157,9 +157,10 @@ def plan_config(layers: int, nvme: str, log_dir: str, offload: str) -> tuple[str
     the config path, the Megatron flags and the offload mode it chose."""
     cfg, args = (os.path.join(log_dir, f"ours_{offload}_{layers}l.json"),
                  os.path.join(log_dir, f"ours_{offload}_{layers}l.args"))
+    # --vocab-size is the tokenizer's: NullTokenizer's VOCAB ids and its eod (as MODEL_VOCAB above).
     cmd = [sys.executable, "tools/plan_memory.py", "--num-layers", str(layers), "--hidden-size", str(HIDDEN),
            "--num-attention-heads", str(HEADS), "--ffn-hidden-size", str(FFN), "--seq-length", str(SEQ),
-           "--vocab-size", str(VOCAB), "--untie-embeddings-and-output-weights", "--micro-batch-size", "1",
+           "--vocab-size", str(VOCAB + 1), "--untie-embeddings-and-output-weights", "--micro-batch-size", "1",
            "--nproc-per-node", str(RANKS), "--recompute-activations", "--nvme-path", nvme,
            "--offload", offload, "--write-ds-config", cfg, "--write-args", args]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)

@@ -62,6 +62,13 @@ CPU_OVERHEAD = RuntimeOverhead(host=GiB // 2, device=0)
 # CUDA (not measured on this machine): the CUDA context and caching-allocator slack on the device, the
 # CUDA libraries mapped into every process on the host.
 CUDA_OVERHEAD = RuntimeOverhead(host=2 * GiB, device=GiB)
+# CPU with full recompute: what glibc's heap keeps per transformer layer and micro-batch in flight, in layer
+# inputs (s*b*h elements), beyond the one input the recompute saves: the recomputed block's intermediates and
+# gradients below the engine's 4 MiB mmap threshold (zero_cache/host_memory.py) and the heap's fragmentation
+# around the saved inputs. Fitted to the peak RSS of a rank in 2-rank runs of the max-scale family with states
+# on SSD (benchmarks/RESULTS.md, "At the edge of RAM"): without this term the plan was 0.29 GiB above it at
+# 18 layers and 1.63 GiB below it at 106; with it, 0.61 and 0.24 GiB above.
+CPU_HEAP_PER_RECOMPUTED_LAYER = 9
 
 
 @dataclass(frozen=True)
@@ -250,6 +257,9 @@ def non_state(request: Request, stage: StageModel, plans: list[ChunkPlan], optio
     in_flight = mesh.pp - stage.stage
     mb = option.micro_batch_size
     acts = {rc: activation_bytes(cfg, mb, mesh.tp, stage.num_layers, in_flight, rc) for rc in (False, True)}
+    if request.hardware.device == "cpu":
+        acts[True] += int(CPU_HEAP_PER_RECOMPUTED_LAYER * in_flight * stage.num_layers * cfg.seq_length * mb
+                          * cfg.hidden_size * elem)
     last = stage.stage == mesh.pp - 1
     # The loss (megatron/core/tensor_parallel/cross_entropy.py) holds the logits, their fp32 copy shifted by
     # the max and its exp at once: 12 bytes per logit in fp32 (one copy is the logits), 14 in 16-bit.

@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ptm_planner.cli import EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, EXIT_FITS, main, request_from_args
-from ptm_planner.plan import GiB, Option, Planner, with_layers
+from ptm_planner.plan import GiB, Option, Planner, account_states, non_state, with_layers
 from ptm_planner.sizes import SIZES, table
 from tests.dist_utils import run_distributed
 from tests.training.parallel_harness import TINY_GPT
@@ -142,6 +143,39 @@ def test_largest_fits_and_one_more_layer_does_not_and_grows_with_memory(capsys):
         assert Planner(with_layers(request, layers[-1])).search().fits
         assert not Planner(with_layers(request, layers[-1] + 1)).search().fits
     assert layers[0] < layers[1]
+
+
+# The max-scale family (benchmarks/max_scale.py) on 2 ranks with states on SSD, as the planner planned it for
+# runs that were measured (benchmarks/RESULTS.md, "At the edge of RAM"): layers, allgather_bucket_size,
+# sub_group_size, prefetch_cache_sub_group_rate and memory_budget.host of the config, and the peak RSS one
+# rank reached (GiB).
+MAX_SCALE_FAMILY = ["--hidden-size", "2048", "--num-attention-heads", "16", "--ffn-hidden-size", "8192",
+                    "--seq-length", "256", "--vocab-size", "32001", "--untie-embeddings-and-output-weights",
+                    "--micro-batch-size", "1", "--recompute-activations", "--offload", "nvme", "--device", "cpu",
+                    "--nproc-per-node", "2", "--host-memory-gib", "24", "--nvme-free-gib", "75"]
+MEASURED_RUNS = [(4, 50331648, 32899072, 1.0, 157097984, 4.13),
+                 (16, 50331648, 32899072, 0.15, 1997299712, 4.45),
+                 (18, 50331648, 32899072, 0.13, 1992572928, 4.21),
+                 (106, 16777216, 32899072, 0.13, 1776034406, 10.49)]
+
+
+@pytest.mark.parametrize("layers,page,sub_group_size,rate,host_budget,peak_rss_gib", MEASURED_RUNS)
+def test_cpu_plan_covers_the_peak_rss_measured_with_its_config(layers, page, sub_group_size, rate, host_budget,
+                                                              peak_rss_gib):
+    """What the planner counts per process for a measured config (the engine's placement of the states under
+    its host budget, staging, gathered and reduce buffers, activations with the heap's share, overhead) is
+    not below the peak RSS a rank reached with it, and not far above."""
+    request, _ = request_from_args(MAX_SCALE_FAMILY + ["--num-layers", str(layers)])
+    planner = Planner(request)
+    option = Option("nvme", page, 1, True, sub_group_size, rate)
+    _, cfg = planner.parse(option, None)
+    plans = planner.plans(page)[0]
+    states = account_states(plans, planner.sub_groups(page, 0, sub_group_size), cfg, torch.float32,
+                            torch.device("cpu"), host_budget)
+    nonstate = non_state(request, planner.stages[0], plans, option, planner.arena(page))
+    planned = (sum(states.by_tier.values()) - states.by_tier["nvme"] + states.staging + nonstate.device_side
+               + nonstate.overhead_host) / GiB
+    assert peak_rss_gib <= planned <= peak_rss_gib + 0.75, planned
 
 
 def test_largest_needs_no_layer_count(capsys):
