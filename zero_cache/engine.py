@@ -31,7 +31,7 @@ from .config import ZeroCacheConfig, ZeroConfigError, parse_config
 from .coordinator import ParamCoordinator
 from .grad_reducer import GradReducer
 from .host_lane import HostLane
-from .host_memory import return_large_frees_to_os
+from .host_memory import set_malloc_for_start_up, set_malloc_for_training
 from .loss_scaler import LossScaler
 from .optimizer import GroupHParams, ShardedAdam
 from .partition import ChunkPlan, FlatChunk, plan_chunks, plan_sub_groups
@@ -62,7 +62,7 @@ class ZeroEngine:
                  tied_param_groups: Iterable[tuple[nn.Parameter, object]] | None = None,
                  param_groups: list[dict] | None = None, store: ShardStore | None = None,
                  param_init: ParamInit | None = None):
-        return_large_frees_to_os()  # host memory must stay within the accounted budget
+        set_malloc_for_start_up()  # chunk-sized temporaries go back to the OS, not into heap holes
         self.module = model
         self.config = cfg
         self.dp_group = dp_group
@@ -150,6 +150,7 @@ class ZeroEngine:
         # Lock-free update: the optimizer step of step t runs here while step t+1 computes.
         self._update_thread = ThreadPoolExecutor(1, "zero_cache_update") if z.lock_free_update else None
         self._pending_update = None
+        set_malloc_for_training()  # each micro-batch's tensors reuse the last one's memory
 
     # ---- forward / backward ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):

@@ -49,6 +49,7 @@ from torch import nn
 
 from .comm import Comm, group_all_reduce
 from .host_lane import HostLane
+from .host_memory import empty_mapped
 from .partition import FlatChunk, ParamSlot
 from .store import DEVICE, ShardStore
 from .streams import HostStreams, Streams
@@ -110,10 +111,14 @@ class GradReducer:
         self.on_final = on_final  # chunk c's gradient shard is final (called where it was accumulated)
         self.on_change = on_change  # chunk c's shard is about to change again (host lane, before the change)
         self.on_final_sent = on_final_sent  # chunk c's final result was sent to the host lane (training thread)
-        # Chunk gradient buffers whose reduction finished, reused by the next chunks of the same size, in this
-        # pass and the next steps': a fresh allocation of this size is mmapped, page-faulted in and unmapped
-        # again every step. At most max(1, max_events), the reductions in flight (as a caching allocator would).
+        # Chunk gradient buffers whose reduction finished, reused by the next chunks, in this pass and the next
+        # steps': a fresh one is a mapping of its own on the CPU (host_memory.py), page-faulted in every time.
+        # Each is as large as the largest chunk, so that any spare fits any chunk (the memory planner counts
+        # reduce buffers of that size), and at most the buffers a pass uses at once are kept: the reductions in
+        # flight and the chunk accumulating.
         self.spare: list[torch.Tensor] = []
+        self.max_spare = max_events + 1
+        self.buffer_numel = max(c.plan.padded for c in chunks)
         # Shard mode with fp32 buffers: chunks whose gradients completed in a pass that is not the step's last
         # keep their buffer, which the next passes add into, and are reduce-scattered once, in the last pass:
         # one reduction per step instead of one per micro-batch. At most max(1, max_events) are held, those
@@ -141,10 +146,11 @@ class GradReducer:
         return buf
 
     def _spare_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """The first ``numel`` elements of a spare buffer (or of a new one) of ``like``'s dtype and device."""
         for i, t in enumerate(self.spare):
-            if t.numel() == numel and t.dtype == like.dtype and t.device == like.device:
-                return self.spare.pop(i)
-        return torch.empty(numel, dtype=like.dtype, device=like.device)
+            if t.numel() >= numel and t.dtype == like.dtype and t.device == like.device:
+                return self.spare.pop(i)[:numel]
+        return empty_mapped(self.buffer_numel, like.dtype, like.device)[:numel]
 
     def _on_grad(self, c: int, slot: ParamSlot, param: nn.Parameter) -> None:
         self.on_backward_activity()
@@ -191,7 +197,7 @@ class GradReducer:
         if direct:
             out, self.fresh[c] = chunk.grad, False
         else:
-            out = torch.empty(chunk.plan.shard, dtype=buf.dtype, device=buf.device)
+            out = empty_mapped(chunk.plan.shard, buf.dtype, buf.device)
         handle = self.comm.reduce_scatter(out, buf, tag=f"chunk{c}", async_op=True)
         self.pending.append((c, handle, out, buf, direct))
         while len(self.pending) > self.max_events:
@@ -200,8 +206,8 @@ class GradReducer:
     def _finish(self) -> None:
         c, handle, out, buf, direct = self.pending.popleft()
         handle.wait()
-        if len(self.spare) < max(1, self.max_events):  # no more than the reductions in flight held before
-            self.spare.append(buf)
+        if len(self.spare) < self.max_spare:
+            self.spare.append(buf if buf._base is None else buf._base)
         final = self.final_pass
         if direct:
             out.mul_(1.0 / self.comm.size)
@@ -309,7 +315,7 @@ class GradReducer:
         if self.mode == "full":
             for c in sorted(self.buffers):
                 buf = self.buffers[c]
-                out = torch.empty(self.chunks[c].plan.shard, dtype=torch.float32, device=buf.device)
+                out = empty_mapped(self.chunks[c].plan.shard, torch.float32, buf.device)
                 self.comm.reduce_scatter(out, buf, tag=f"chunk{c}")
                 if self.to_host[c]:
                     self._send_to_host(c, out, False)

@@ -18,7 +18,7 @@ import bisect
 
 import torch
 
-from .partition import FlatChunk
+from .partition import FlatChunk, point_storage
 
 _ALIGN_BYTES = 256
 
@@ -27,15 +27,6 @@ def region_numel(numel: int, element_size: int) -> int:
     """Elements a chunk of ``numel`` elements takes in an arena: rounded up to the alignment."""
     align = max(1, _ALIGN_BYTES // element_size)
     return -(-numel // align) * align
-
-
-def _point_storage(storage: torch.UntypedStorage, ptr: int, nbytes: int, device: torch.device) -> None:
-    """Make ``storage`` use ``nbytes`` at address ``ptr`` (not owned; ptr 0: an empty allocation)."""
-    if nbytes:
-        other = torch._C._construct_storage_from_data_pointer(ptr, device, nbytes)
-    else:
-        other = torch.UntypedStorage(0, device=device)
-    storage._swap_data_ptr_(other)
 
 
 class ParamArena:
@@ -75,14 +66,14 @@ class ParamArena:
         self.region[chunk.index] = (off, need)
         self.used += need
         self.peak_used = max(self.peak_used, self.used)
-        _point_storage(chunk.full.untyped_storage(), self.buffer.data_ptr() + off * self.elem, need * self.elem,
+        point_storage(chunk.full.untyped_storage(), self.buffer.data_ptr() + off * self.elem, need * self.elem,
                        self.device)
         return True
 
     def remove(self, chunk: FlatChunk) -> None:
         """Give the chunk's region back; its storage becomes empty (as a released plain chunk's is)."""
         off, length = self.region.pop(chunk.index)
-        _point_storage(chunk.full.untyped_storage(), 0, 0, self.device)
+        point_storage(chunk.full.untyped_storage(), 0, 0, self.device)
         self.used -= length
         k = bisect.bisect_left(self._free, (off, 0))
         self._free.insert(k, (off, length))

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .host_memory import empty_mapped
+
 
 @dataclass
 class ParamSlot:
@@ -118,6 +120,7 @@ class FlatChunk:
         self.swapped: list[str] = []
         self.master_in_param = False  # fp32: the parameter shard is the master (no separate copy)
         self.gathered = plan.resident
+        self._mapping: torch.Tensor | None = None  # what ``full`` points at while gathered outside an arena (CPU)
 
     @property
     def index(self) -> int:
@@ -132,12 +135,23 @@ class FlatChunk:
         return self.plan.padded * self.full.element_size()
 
     def allocate_full(self) -> None:
+        """Memory for a gather outside an arena. On the CPU it is a mapping of its own (host_memory.py): a chunk
+        freed between the model's tensors would otherwise leave a chunk-sized hole in their heap."""
         storage = self.full.untyped_storage()
-        if storage.nbytes() == 0:
+        if storage.nbytes() != 0:
+            return
+        if self.full.device.type == "cpu" and hasattr(storage, "_swap_data_ptr_"):
+            self._mapping = empty_mapped(self.full_nbytes(), torch.uint8, self.full.device)
+            point_storage(storage, self._mapping.data_ptr(), self.full_nbytes(), self.full.device)
+        else:
             storage.resize_(self.full_nbytes())
 
     def free_full(self) -> None:
-        self.full.untyped_storage().resize_(0)
+        if self._mapping is not None:
+            point_storage(self.full.untyped_storage(), 0, 0, self.full.device)
+            self._mapping = None
+        else:
+            self.full.untyped_storage().resize_(0)
         self.gathered = False
 
     def shard_of_full(self) -> torch.Tensor:
@@ -154,3 +168,13 @@ class FlatChunk:
         """SSD states the optimizer reads (and writes back, except a gradient shard; a bf16/fp16 parameter
         shard is only written)."""
         return [n for n in self.swapped if n != "param" or self.master_in_param]
+
+
+def point_storage(storage: torch.UntypedStorage, ptr: int, nbytes: int, device: torch.device) -> None:
+    """Make ``storage`` use ``nbytes`` at address ``ptr`` (not owned; ptr 0: an empty allocation). Views of the
+    storage, including the ones autograd saved, follow it."""
+    if nbytes:
+        other = torch._C._construct_storage_from_data_pointer(ptr, device, nbytes)
+    else:
+        other = torch.UntypedStorage(0, device=device)
+    storage._swap_data_ptr_(other)
