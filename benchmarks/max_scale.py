@@ -4,6 +4,7 @@
     python -m benchmarks.max_scale --ours-sizes 3.6 5.0 --compare-size 1.04  # more capacity attempts
     python -m benchmarks.max_scale --rerun-deepspeed-capacity 0.74:cpu 2.5:nvme 2.7:nvme   # ~15 min each
     python -m benchmarks.max_scale --ours-sizes --compare-size 0.23   # the comparison at 2 layers (minutes)
+    python -m benchmarks.max_scale --ours-sizes 0.33 0.94 1.04 --offload nvme --host-memory-gib 10 --compare-size 0
 
 The family is the one the recorded DeepSpeed capacity figures were measured on: GPT, hidden 2048, 16 heads, FFN 4x,
 vocabulary 32000 with an untied output layer, sequence 256, micro-batch 1, 2 ranks on gloo, fp32, full
@@ -55,6 +56,7 @@ import psutil
 
 from benchmarks.peer_workers.harness import BETAS, EPS, LOGS_DIR, PEERS_PYTHON, RESULTS_DIR, ROOT, BenchSpec, worker_env
 from megatron.training.config import padded_vocab_size
+from ptm_planner.plan import OFFLOADS
 from tools.plot_run import LogParseError, parse_log
 
 RECORDED_CACHE = os.path.join(ROOT, "benchmarks", "max_scale_deepspeed.json")  # the recorded attempts (in git)
@@ -87,6 +89,7 @@ class Attempt:
     losses: list[float] = field(default_factory=list)  # the global batch's mean loss, per step
     peak_mem_gib: float = 0.0
     peak_disk_gib: float = 0.0
+    peak_rss_gib: float = 0.0  # ours: the peak RSS of the logging rank, from its last log line
     setup_s: float = 0.0
     note: str = ""  # why it failed, or where the figure came from
     log: str = ""
@@ -152,9 +155,11 @@ def _tail(path: str, n: int = 3) -> str:
     return " / ".join(lines[-n:])[-400:]
 
 
-def plan_config(layers: int, nvme: str, log_dir: str, offload: str) -> tuple[str, list[str], str]:
-    """Ask the planner for this size's zero_cache config on this machine (exit 3: it does not fit); returns
-    the config path, the Megatron flags and the offload mode it chose."""
+def plan_config(layers: int, nvme: str, log_dir: str, offload: str,
+                host_memory_gib: float | None = None) -> tuple[str, list[str], str]:
+    """Ask the planner for this size's zero_cache config on this machine (exit 3: it does not fit), or for a
+    machine with ``host_memory_gib`` of RAM; returns the config path, the Megatron flags and the offload mode
+    it chose."""
     cfg, args = (os.path.join(log_dir, f"ours_{offload}_{layers}l.json"),
                  os.path.join(log_dir, f"ours_{offload}_{layers}l.args"))
     # --vocab-size is the tokenizer's: NullTokenizer's VOCAB ids and its eod (as MODEL_VOCAB above).
@@ -163,6 +168,8 @@ def plan_config(layers: int, nvme: str, log_dir: str, offload: str) -> tuple[str
            "--vocab-size", str(VOCAB + 1), "--untie-embeddings-and-output-weights", "--micro-batch-size", "1",
            "--nproc-per-node", str(RANKS), "--recompute-activations", "--nvme-path", nvme,
            "--offload", offload, "--write-ds-config", cfg, "--write-args", args]
+    if host_memory_gib is not None:
+        cmd += ["--host-memory-gib", str(host_memory_gib)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     print(res.stdout.rstrip(), flush=True)
     if res.returncode != 0:
@@ -173,13 +180,14 @@ def plan_config(layers: int, nvme: str, log_dir: str, offload: str) -> tuple[str
         return cfg, [ln.strip() for ln in f if ln.strip()], chosen.group(1) if chosen else offload
 
 
-def run_ours(layers: int, offload: str, a, log_dir: str, cache_rate: float | None = None) -> Attempt:
+def run_ours(layers: int, offload: str, a, log_dir: str, cache_rate: float | None = None,
+             host_memory_gib: float | None = None) -> Attempt:
     """``offload``: the planner's mode (auto: the fastest that fits; nvme: states on SSD, the planner still
     caching the share of optimizer sub-groups spare memory holds). ``cache_rate`` overrides that share
-    (0: every state on SSD, as DeepSpeed's NVMe offload)."""
+    (0: every state on SSD, as DeepSpeed's NVMe offload); ``host_memory_gib`` plans for that much RAM."""
     att = Attempt("ours", offload, layers, params_of(layers))
     try:
-        cfg, model_args, att.offload = plan_config(layers, a.nvme_path, log_dir, offload)
+        cfg, model_args, att.offload = plan_config(layers, a.nvme_path, log_dir, offload, host_memory_gib)
     except RuntimeError as e:
         att.note = str(e)
         return att
@@ -206,20 +214,21 @@ def run_ours(layers: int, offload: str, a, log_dir: str, cache_rate: float | Non
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
     t0 = time.perf_counter()
     rc, att.peak_mem_gib, att.peak_disk_gib = _run_job(cmd, att.log, a.nvme_path, a.timeout, env)
-    att.step_s, att.losses = _logged_steps(att.log)
+    att.step_s, att.losses, att.peak_rss_gib = _logged_steps(att.log)
     att.ok = rc == 0 and len(att.step_s) == STEPS
     att.setup_s = time.perf_counter() - t0 - sum(att.step_s)
     att.note = "" if att.ok else f"exit {rc}: {_tail(att.log)}"
     return att
 
 
-def _logged_steps(log_path: str) -> tuple[list[float], list[float]]:
-    """Seconds and lm loss of every logged iteration (the trainer logs each one here: --log-interval 1)."""
+def _logged_steps(log_path: str) -> tuple[list[float], list[float], float]:
+    """Seconds and lm loss of every logged iteration (the trainer logs each one here: --log-interval 1), and
+    the logging rank's peak RSS at its last line (GiB)."""
     try:
         run = parse_log(log_path)
     except LogParseError:  # the job died before its first iteration
-        return [], []
-    return run.step_time_s, run.lm_loss
+        return [], [], 0.0
+    return run.step_time_s, run.lm_loss, max(run.memory_gib.get("peak rss", []), default=0.0)
 
 
 # The zero_optimization keys both engines read that bound live memory: DeepSpeed gets the planner's values for
@@ -316,22 +325,28 @@ def _fmt_s(x: float | None) -> str:
     return f"{x:.1f}" if x is not None else "-"
 
 
+def _fmt_rss(att: Attempt) -> str:
+    return f"{att.peak_rss_gib:.2f}" if att.peak_rss_gib else "-"
+
+
 def table(ours: list[Attempt], ds_cached: list[dict], compare: list[Attempt]) -> str:
     out = ["### Capacity (3 steps each)", "",
            "| system | offload | layers | params (B) | trains | s/step (steps 2-3) | peak memory (GiB) "
-           "| disk (GiB) | source |", "|---|---|---:|---:|---|---:|---:|---:|---|"]
+           "| peak RSS of a rank (GiB) | disk (GiB) | source |", "|---|---|---:|---:|---|---:|---:|---:|---:|---|"]
     for att in ours:
         out.append(f"| {att.system} | {att.offload} | {att.layers} | {att.params / 1e9:.2f} "
                    f"| {'yes' if att.ok else 'NO'} "
-                   f"| {_fmt_s(att.steady_s)} | {att.peak_mem_gib:.1f} | {att.peak_disk_gib:.1f} | this run"
+                   f"| {_fmt_s(att.steady_s)} | {att.peak_mem_gib:.1f} | {_fmt_rss(att)} | {att.peak_disk_gib:.1f} "
+                   f"| this run"
                    f"{'' if att.ok else ': ' + att.note[:160]} |")
     for d in ds_cached:
         steady = d.get("s_per_step") or "-"
         out.append(f"| DeepSpeed ZeRO-3 | {d['offload']} | {d['layers']} | {d['params'] / 1e9:.2f} | "
-                   f"{'yes' if d['ok'] else 'NO'} | {steady} | {d.get('peak_mem_gib', '-')} | "
+                   f"{'yes' if d['ok'] else 'NO'} | {steady} | {d.get('peak_mem_gib', '-')} | - | "
                    f"{d.get('disk_gib', '-')} | {d['source']} |")
     out += ["", "Peak memory: this run's rows are the summed PSS of the job's processes; cached rows are what their "
-                "source measured."]
+                "source measured. Peak RSS of a rank: the kernel's high-water mark of the rank that logs, from its "
+                "last log line."]
     largest_ours = max((a.params for a in ours if a.ok), default=0)
     largest_ds = max((d["params"] for d in ds_cached if d["ok"]), default=0)
     if largest_ours and largest_ds:
@@ -340,8 +355,8 @@ def table(ours: list[Attempt], ds_cached: list[dict], compare: list[Attempt]) ->
     if compare:
         out += ["", "### Seconds per step at a common size, same run (states on SSD)", "",
                 "| system | layers | params (B) | s/step (steps 2-3) | first step (s) | set-up (s) | peak memory "
-                "(GiB) | disk (GiB) | speed-up vs DeepSpeed | loss per step |",
-                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                "(GiB) | peak RSS of a rank (GiB) | disk (GiB) | speed-up vs DeepSpeed | loss per step |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         ds = next((a for a in compare if a.system == "deepspeed" and a.ok), None)
         for att in compare:
             speed = (f"{ds.steady_s / att.steady_s:.2f}x" if ds is not None and att.ok and att.steady_s else "-")
@@ -349,7 +364,8 @@ def table(ours: list[Attempt], ds_cached: list[dict], compare: list[Attempt]) ->
             steady = _fmt_s(att.steady_s) if att.ok else "failed: " + att.note[:120]
             losses = ", ".join(f"{x:.6f}" for x in att.losses) or "-"
             out.append(f"| {att.system} | {att.layers} | {att.params / 1e9:.2f} | {steady} "
-                       f"| {first} | {att.setup_s:.0f} | {att.peak_mem_gib:.1f} | {att.peak_disk_gib:.1f} | {speed} "
+                       f"| {first} | {att.setup_s:.0f} | {att.peak_mem_gib:.1f} | {_fmt_rss(att)} "
+                       f"| {att.peak_disk_gib:.1f} | {speed} "
                        f"| {losses} |")
     return "\n".join(out)
 
@@ -358,6 +374,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nvme-path", default="/tmp/zc_maxscale", help="directory on the SSD for both systems' swap")
     p.add_argument("--ours-sizes", type=float, nargs="*", default=[5.0], help="capacity attempts, billions")
+    p.add_argument("--offload", default="auto", choices=["auto", *OFFLOADS],
+                   help="the planner's offload mode for the capacity attempts (auto: the fastest that fits)")
+    p.add_argument("--host-memory-gib", type=float,
+                   help="plan the capacity attempts for this much RAM per node instead of the machine's")
     p.add_argument("--compare-size", type=float, default=1.04, help="s/step comparison size, billions (0: skip)")
     p.add_argument("--rerun-deepspeed-capacity", nargs="*", default=None, metavar="BILLIONS:OFFLOAD",
                    help="measure DeepSpeed's capacity attempts again (e.g. 0.74:cpu 1.79:nvme) and update the cache")
@@ -394,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
     ours = []
     for size in a.ours_sizes:
         print(f"[max_scale] ours at {size}B ({layers_for(size)} layers)", flush=True)
-        ours.append(run_ours(layers_for(size), "auto", a, a.log_dir))
+        ours.append(run_ours(layers_for(size), a.offload, a, a.log_dir, host_memory_gib=a.host_memory_gib))
     compare = []
     if a.compare_size > 0:
         layers = layers_for(a.compare_size)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import resource
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -22,9 +23,10 @@ if TYPE_CHECKING:
 
 
 def memory_fields(device: torch.device, extra: dict[str, float] | None = None) -> str:
-    """Process RSS, accelerator memory and any engine tiers, in GiB."""
+    """Process RSS now and at its peak so far, accelerator memory and any engine tiers, in GiB."""
     gib = 1024 ** 3
-    parts = [f"rss: {psutil.Process().memory_info().rss / gib:.2f}"]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the kernel's high-water mark (KiB)
+    parts = [f"rss: {psutil.Process().memory_info().rss / gib:.2f}", f"peak rss: {peak / gib:.2f}"]
     if device.type == "cuda":
         parts.append(f"{device.type} max alloc: {torch.cuda.max_memory_allocated(device) / gib:.2f}")
     for name, nbytes in (extra or {}).items():

@@ -35,14 +35,16 @@ def test_recorded_sizes_map_to_their_layer_counts():
 
 def test_table_ratios():
     ours = [max_scale.Attempt("ours", "nvme", 69, max_scale.params_of(69), ok=True, step_s=[300.0, 200.0, 220.0],
-                              peak_mem_gib=18.0, peak_disk_gib=41.0)]
+                              peak_mem_gib=18.0, peak_disk_gib=41.0, peak_rss_gib=9.97)]
     ds = [{"offload": "nvme", "layers": 33, "params": max_scale.params_of(33), "ok": True, "s_per_step": "240",
            "peak_mem_gib": 22.4, "disk_gib": 36, "source": "cached"}]
     compare = [max_scale.Attempt("ours", "nvme", 18, max_scale.params_of(18), ok=True, step_s=[90.0, 50.0, 60.0]),
                max_scale.Attempt("deepspeed", "nvme", 18, max_scale.params_of(18), ok=True,
                                  step_s=[150.0, 110.0, 130.0])]
     text = max_scale.table(ours, ds, compare)
-    assert "| ours | nvme | 69 | 3.61 | yes | 210.0 |" in text  # median of the steps after the first
+    # s/step: the median of the steps after the first
+    assert "| ours | nvme | 69 | 3.61 | yes | 210.0 | 18.0 | 9.97 | 41.0 |" in text
+    assert "| 22.4 | - | 36 |" in text  # no per-rank RSS for DeepSpeed's cached attempts
     assert "ours 3.61B, DeepSpeed 1.79B (2.01x)" in text
     assert "| 2.18x |" in text  # median(110, 130) / median(50, 60)
 

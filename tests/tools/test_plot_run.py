@@ -85,8 +85,10 @@ def test_trainer_lines_parse_back_to_the_logged_values(monkeypatch, tmp_path):
     assert run.tflops == pytest.approx(want["tflops"], abs=0.005)  # two decimals
     for name in TIERS:
         assert run.memory_gib[name] == want["memory_gib"][name]
-    assert set(run.memory_gib) == {*TIERS, "rss"}  # the process RSS is logged too (a CPU run: no cuda field)
+    # The process RSS and its peak so far are logged too (a CPU run: no cuda field).
+    assert set(run.memory_gib) == {*TIERS, "rss", "peak rss"}
     assert all(0 < x < 64 for x in run.memory_gib["rss"])
+    assert all(now <= peak for now, peak in zip(run.memory_gib["rss"], run.memory_gib["peak rss"]))
 
 
 def test_overlaid_logs_render_to_a_png_of_the_expected_size(monkeypatch, tmp_path):
@@ -99,7 +101,7 @@ def test_overlaid_logs_render_to_a_png_of_the_expected_size(monkeypatch, tmp_pat
     assert list(step_ax.lines[1].get_ydata()) == [s for s, _, _ in RUN_B]
     assert list(loss_ax.lines[0].get_ydata()) == pytest.approx(_expected(RUN_A)["lm_loss"], rel=1e-6)
     mem = {ln.get_label(): list(ln.get_ydata()) for ln in mem_ax.lines}
-    assert len(mem) == 8  # 2 logs x (rss + 3 tiers)
+    assert len(mem) == 10  # 2 logs x (rss, peak rss + 3 tiers)
     assert mem["b.log: host states"] == [2.0, 2.25] and mem["a.log: nvme states"] == [3.0, 3.0, 2.5]
 
     out = tmp_path / "run.png"
