@@ -64,10 +64,11 @@ CPU_OVERHEAD = RuntimeOverhead(host=GiB // 2, device=0)
 CUDA_OVERHEAD = RuntimeOverhead(host=2 * GiB, device=GiB)
 # CPU with full recompute: what glibc's heap keeps per transformer layer and micro-batch in flight, in layer
 # inputs (s*b*h elements), beyond the one input the recompute saves: the recomputed block's intermediates and
-# gradients below the engine's 4 MiB mmap threshold (zero_cache/host_memory.py) and the heap's fragmentation
-# around the saved inputs. Fitted to the peak RSS of a rank in 2-rank runs of the max-scale family with states
-# on SSD (benchmarks/RESULTS.md, "At the edge of RAM"): without this term the plan was 0.29 GiB above it at
-# 18 layers and 1.63 GiB below it at 106; with it, 0.61 and 0.24 GiB above.
+# gradients the heap keeps for reuse (zero_cache/host_memory.py) and its fragmentation around the saved inputs.
+# Fitted to the peak RSS of a rank in 2-rank runs of the max-scale family with states on SSD
+# (benchmarks/RESULTS.md, "At the edge of RAM"): without this term the plan was 0.29 GiB above it at 18 layers
+# and 1.63 GiB below it at 106; with it, 0.61 and 0.24 GiB above. With the training-phase malloc the plan is
+# 0.05-0.23 GiB above the peaks at 4, 16 and 18 layers.
 CPU_HEAP_PER_RECOMPUTED_LAYER = 9
 
 

@@ -153,9 +153,9 @@ MAX_SCALE_FAMILY = ["--hidden-size", "2048", "--num-attention-heads", "16", "--f
                     "--seq-length", "256", "--vocab-size", "32001", "--untie-embeddings-and-output-weights",
                     "--micro-batch-size", "1", "--recompute-activations", "--offload", "nvme", "--device", "cpu",
                     "--nproc-per-node", "2", "--host-memory-gib", "24", "--nvme-free-gib", "75"]
-MEASURED_RUNS = [(4, 50331648, 32899072, 1.0, 157097984, 4.13),
-                 (16, 50331648, 32899072, 0.15, 1997299712, 4.45),
-                 (18, 50331648, 32899072, 0.13, 1992572928, 4.21),
+MEASURED_RUNS = [(4, 50331648, 32899072, 1.0, 81600512, 4.37),
+                 (16, 50331648, 32899072, 0.15, 1695309824, 4.27),
+                 (18, 50331648, 32899072, 0.13, 1652834304, 4.31),
                  (106, 16777216, 32899072, 0.13, 1776034406, 10.49)]
 
 
