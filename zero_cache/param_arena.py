@@ -67,7 +67,7 @@ class ParamArena:
         self.used += need
         self.peak_used = max(self.peak_used, self.used)
         point_storage(chunk.full.untyped_storage(), self.buffer.data_ptr() + off * self.elem, need * self.elem,
-                       self.device)
+                      self.device)
         return True
 
     def remove(self, chunk: FlatChunk) -> None:
