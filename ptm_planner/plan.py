@@ -64,11 +64,11 @@ CPU_OVERHEAD = RuntimeOverhead(host=GiB // 2, device=0)
 CUDA_OVERHEAD = RuntimeOverhead(host=2 * GiB, device=GiB)
 # CPU with full recompute: what glibc's heap keeps per transformer layer and micro-batch in flight, in layer
 # inputs (s*b*h elements), beyond the one input the recompute saves: the recomputed block's intermediates and
-# gradients the heap keeps for reuse (zero_cache/host_memory.py) and its fragmentation around the saved inputs.
-# Fitted to the peak RSS of a rank in 2-rank runs of the max-scale family with states on SSD
+# gradients below the 4 MiB mmap threshold (zero_cache/host_memory.py) and its fragmentation around the saved
+# inputs. Fitted to the peak RSS of a rank in 2-rank runs of the max-scale family with states on SSD
 # (benchmarks/RESULTS.md, "At the edge of RAM"): without this term the plan was 0.29 GiB above it at 18 layers
-# and 1.63 GiB below it at 106; with it, 0.61 and 0.24 GiB above. With the training-phase malloc the plan is
-# 0.05-0.23 GiB above the peaks at 4, 16 and 18 layers.
+# and 1.63 GiB below it at 106; with it, 0.61 and 0.24 GiB above. Measured with reuse_freed_host_memory false,
+# which the planner writes (ds_config).
 CPU_HEAP_PER_RECOMPUTED_LAYER = 9
 
 
@@ -154,6 +154,9 @@ def ds_config(request: Request, option: Option, arena: int, budgets: dict[str, i
         "max_param_reduce_events": 1,
         "is_communication_time_profiling": False,
         "save_large_model_multi_slice": True,
+        # The host-memory estimates are measured with freed blocks returned (a run of 107 layers on the 24 GiB
+        # test machine ran out of memory in its second step with the heap kept).
+        "reuse_freed_host_memory": False,
     }
     if option.offload != "none":  # "cpu+nvme": host memory, the sub-groups beyond the host budget on SSD
         device = "nvme" if option.offload == "nvme" else "cpu"

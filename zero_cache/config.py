@@ -301,6 +301,13 @@ class ZeroOptimizationConfig:
         "Delayed update: step t's optimizer update runs on a background thread while step t+1 computes and is "
         "published at step t+1's step (parameters one step stale). Costs a spare gradient shard and a pending "
         "parameter shard per chunk; needs offload_optimizer.device cpu or nvme."))
+    reuse_freed_host_memory: bool = field(default=True, metadata=key(
+        "Once the engine is built, the C library (glibc) keeps freed host blocks below 128 MiB in its heap, so "
+        "each micro-batch's activations and gradients reuse the last one's memory instead of being page-faulted "
+        "in again; the heap then stays near the step's peak and can fragment around tensors that live longer "
+        "(recomputation's saved layer inputs). false: blocks of 4 MiB and more are mapped on their own and "
+        "returned on free, as during start-up; the memory planner writes false, which its estimates are "
+        "measured with."))
     gloo_p2p_collectives: bool = field(default=True, metadata=key(
         "On the gloo backend, all-gathers and reduce-scatters of host tensors run as point-to-point exchanges "
         "without temporaries; false: gloo's own collectives."))

@@ -150,7 +150,8 @@ class ZeroEngine:
         # Lock-free update: the optimizer step of step t runs here while step t+1 computes.
         self._update_thread = ThreadPoolExecutor(1, "zero_cache_update") if z.lock_free_update else None
         self._pending_update = None
-        set_malloc_for_training()  # each micro-batch's tensors reuse the last one's memory
+        if z.reuse_freed_host_memory:
+            set_malloc_for_training()  # each micro-batch's tensors reuse the last one's memory
 
     # ---- forward / backward ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):

@@ -12,8 +12,10 @@ there. By default both thresholds move with the program: the mmap one from 128 K
   the matmuls need. From the end of start-up, blocks below 128 MiB stay in the heap, which the next
   micro-batch reuses (glibc's own moving threshold stops at 32 MiB, below a 100M-parameter GPT's logits and
   embedding gradient). Larger ones are still mapped: kept in the heap too, at 1.04B parameters they held
-  about 0.45 GiB more per rank for no speed-up that stood out of the noise (benchmarks/RESULTS.md, "Engine
-  details").
+  about 0.45 GiB more per rank for no speed-up that stood out of the noise. The heap kept for reuse also
+  fragments around long-lived tensors (recomputation's saved layer inputs), so at the edge of RAM it needs
+  more than a plan measured without it: ``zero_optimization.reuse_freed_host_memory`` false keeps the
+  start-up setting, and the memory planner writes false (benchmarks/RESULTS.md, "Engine details").
 - The engine's own chunk- and shard-sized buffers of the training loop (gathers without an arena, gradient
   reduction buffers) come from ``empty_mapped``: a mapping of their own in either phase, so one freed
   between the model's tensors never leaves a chunk-sized hole in the heap, and the memory they take is the

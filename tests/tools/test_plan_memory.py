@@ -146,16 +146,16 @@ def test_largest_fits_and_one_more_layer_does_not_and_grows_with_memory(capsys):
 
 
 # The max-scale family (benchmarks/max_scale.py) on 2 ranks with states on SSD, as the planner planned it for
-# runs that were measured (benchmarks/RESULTS.md, "At the edge of RAM"): layers, allgather_bucket_size,
-# sub_group_size, prefetch_cache_sub_group_rate and memory_budget.host of the config, and the peak RSS one
-# rank reached (GiB).
+# runs that were measured (benchmarks/RESULTS.md, "At the edge of RAM"), with the reuse_freed_host_memory false
+# the planner writes: layers, allgather_bucket_size, sub_group_size, prefetch_cache_sub_group_rate and
+# memory_budget.host of the config, and the peak RSS one rank reached (GiB).
 MAX_SCALE_FAMILY = ["--hidden-size", "2048", "--num-attention-heads", "16", "--ffn-hidden-size", "8192",
                     "--seq-length", "256", "--vocab-size", "32001", "--untie-embeddings-and-output-weights",
                     "--micro-batch-size", "1", "--recompute-activations", "--offload", "nvme", "--device", "cpu",
                     "--nproc-per-node", "2", "--host-memory-gib", "24", "--nvme-free-gib", "75"]
-MEASURED_RUNS = [(4, 50331648, 32899072, 1.0, 81600512, 4.37),
-                 (16, 50331648, 32899072, 0.15, 1695309824, 4.27),
-                 (18, 50331648, 32899072, 0.13, 1652834304, 4.31),
+MEASURED_RUNS = [(4, 50331648, 32899072, 1.0, 157097984, 4.13),
+                 (16, 50331648, 32899072, 0.15, 1997299712, 4.45),
+                 (18, 50331648, 32899072, 0.13, 1992572928, 4.21),
                  (106, 16777216, 32899072, 0.13, 1776034406, 10.49)]
 
 

@@ -1,5 +1,6 @@
 """glibc's malloc per phase (zero_cache/host_memory.py): in the training phase a freed block comes back without
-page faults; the engine's own buffers are mappings of their own, returned to the OS when freed."""
+page faults, and the engine switches to it unless reuse_freed_host_memory is false; the engine's own buffers are
+mappings of their own, returned to the OS when freed."""
 from __future__ import annotations
 
 import subprocess
@@ -8,7 +9,11 @@ import sys
 import pytest
 import torch
 
+import zero_cache
+import zero_cache.engine as engine_module
 from zero_cache.host_memory import START_UP_MMAP_THRESHOLD, empty_mapped
+
+from .common import ds_config, make_model
 
 # Page faults taken while an 8 MiB tensor is filled after a 16 MiB one was filled and freed. (Smaller than the
 # freed block: torch allocates 64-byte aligned, and glibc may not fit an aligned block of the same size into the
@@ -66,3 +71,12 @@ def test_engine_buffers_are_mappings_of_their_own():
     doubles = START_UP_MMAP_THRESHOLD // 8
     assert empty_mapped(doubles - 1, torch.float64, torch.device("cpu")).untyped_storage().resizable()
     assert not empty_mapped(doubles, torch.float64, torch.device("cpu")).untyped_storage().resizable()
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_the_engine_switches_to_the_training_setting_unless_told_not_to(monkeypatch, reuse):
+    calls = []
+    monkeypatch.setattr(engine_module, "set_malloc_for_start_up", lambda: calls.append("start-up"))
+    monkeypatch.setattr(engine_module, "set_malloc_for_training", lambda: calls.append("training"))
+    zero_cache.initialize(model=make_model(), config=ds_config(3, 1, reuse_freed_host_memory=reuse))
+    assert calls == (["start-up", "training"] if reuse else ["start-up"])
