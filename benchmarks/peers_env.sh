@@ -10,7 +10,7 @@
 set -euo pipefail
 _peers_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 _peers_venv="${PEERS_VENV:-$_peers_root/benchmarks/.venv-peers}"
-_peers_pkgs=(torch==2.13.0 deepspeed==0.19.8 psutil==7.2.2 numpy==2.4.6)
+_peers_pkgs=(torch==2.13.0 deepspeed==0.19.8 psutil==7.2.2 numpy==2.4.6 xxhash==4.0.1)
 _peers_stamp="$_peers_venv/.peers-installed"
 _peers_want="$(printf '%s\n' "${_peers_pkgs[@]}" | sha1sum | cut -c1-16)"
 

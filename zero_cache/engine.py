@@ -40,6 +40,7 @@ from .speculation import Speculation, SpeculationStats
 from .ssd_store import SSDStore
 from .store import HOST, NVME, DeviceHostStore, MemoryReport, ShardStore
 from .streams import CopyStats, make_streams
+from .weight_grad import set_weight_grad_sink
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +144,9 @@ class ZeroEngine:
             on_final=self.speculation.chunk_final if self.speculation else None,
             on_change=self.speculation.chunk_changing if self.speculation else None,
             on_final_sent=self.speculation.final_sent if self.speculation else None)
+        for c in self.chunks:  # layers that compute their own weight gradient write it into the reduction buffers
+            for s in c.plan.slots:
+                set_weight_grad_sink(s.param, self.reducer.weight_grad_sink(c.index, s))
         self.last_copy_stats: CopyStats | None = None
         self.last_speculation: SpeculationStats | None = None
         self.scaler = LossScaler(cfg.fp16)
@@ -382,6 +386,9 @@ class ZeroEngine:
     def close(self) -> None:
         """Release the store's files and threads (the SSD tier's swap directory is removed)."""
         self.publish_update()
+        for c in self.chunks:
+            for s in c.plan.slots:
+                set_weight_grad_sink(s.param, None)
         if self._update_thread is not None:
             self._update_thread.shutdown(wait=True)
         if self.lane is not None:

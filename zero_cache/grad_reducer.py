@@ -1,7 +1,10 @@
 """Gradient reduction driven by autograd hooks, so it works however backward is invoked.
 
 Each managed parameter has a post-accumulate-grad hook. It moves the gradient into its chunk's flat
-buffer and drops ``param.grad``. Two accumulation modes (docs/zero_cache/design.md):
+buffer and drops ``param.grad``. A layer that computes its own weight gradient hands the two factors to the
+parameter's sink instead (weight_grad.py): the product lands in the buffer with no gradient tensor in between,
+and the hook, which autograd still calls (with ``param.grad`` None unless other uses of the parameter produced
+one), counts the parameter as done. Two accumulation modes (docs/zero_cache/design.md):
 
 - ``shard`` (stages 2 and 3, DeepSpeed's way): when every parameter of a chunk has its gradient for the
   current backward pass, the chunk buffer (compute dtype) is reduce-scattered asynchronously and the
@@ -41,6 +44,7 @@ other states.
 """
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from typing import Callable, Sequence
 
@@ -115,8 +119,11 @@ class GradReducer:
         # steps': a fresh one is a mapping of its own on the CPU (host_memory.py), page-faulted in every time.
         # Each is as large as the largest chunk, so that any spare fits any chunk (the memory planner counts
         # reduce buffers of that size), and at most the buffers a pass uses at once are kept: the reductions in
-        # flight and the chunk accumulating.
+        # flight and the chunk accumulating. Each spare remembers how many of its leading elements have been
+        # used (its pages are resident from then on): a chunk takes the spare it fits in that is used the least
+        # beyond its size, or else the most used one, so that small chunks do not leave a large one fresh pages.
         self.spare: list[torch.Tensor] = []
+        self.used: dict[int, int] = {}  # id of a buffer the reducer holds -> elements used so far
         self.max_spare = max_events + 1
         self.buffer_numel = max(c.plan.padded for c in chunks)
         # Shard mode with fp32 buffers: chunks whose gradients completed in a pass that is not the step's last
@@ -147,22 +154,51 @@ class GradReducer:
 
     def _spare_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         """The first ``numel`` elements of a spare buffer (or of a new one) of ``like``'s dtype and device."""
-        for i, t in enumerate(self.spare):
-            if t.numel() >= numel and t.dtype == like.dtype and t.device == like.device:
-                return self.spare.pop(i)[:numel]
-        return empty_mapped(self.buffer_numel, like.dtype, like.device)[:numel]
+        fits = [t for t in self.spare if t.dtype == like.dtype and t.device == like.device]
+        if fits:
+            covered = [t for t in fits if self.used[id(t)] >= numel]
+            best = (min(covered, key=lambda t: self.used[id(t)]) if covered
+                    else max(fits, key=lambda t: self.used[id(t)]))
+            self.spare = [t for t in self.spare if t is not best]
+            return best[:numel]
+        buf = empty_mapped(self.buffer_numel, like.dtype, like.device)
+        self.used[id(buf)] = 0
+        return buf[:numel]
+
+    def weight_grad_sink(self, c: int, slot: ParamSlot) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        """The sink of ``slot``'s parameter (weight_grad.py): its gradient is ``grad_output^T @ input``.
+
+        It refers to the reducer weakly, so that the sink table does not keep the model alive (the parameter's
+        own gradient hook keeps the reducer alive as long as the parameter)."""
+        reducer = weakref.ref(self)
+        return lambda grad_output, inputs: reducer()._on_product(c, slot, grad_output, inputs)
+
+    def _on_product(self, c: int, slot: ParamSlot, grad_output: torch.Tensor, inputs: torch.Tensor) -> None:
+        """Add ``grad_output^T @ inputs`` into the slot's region; the parameter's hook comes after every product."""
+        self.on_backward_activity()
+        region = self._buffer(c)[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        written = self.written.get(c)
+        if region.dtype != grad_output.dtype:  # a 16-bit model's fp32 full buffer (stage 1)
+            region.add_(grad_output.t().mm(inputs))
+        elif written is None or slot.offset in written:
+            region.addmm_(grad_output.t(), inputs)
+        else:
+            torch.mm(grad_output.t(), inputs, out=region)
+            written.add(slot.offset)
 
     def _on_grad(self, c: int, slot: ParamSlot, param: nn.Parameter) -> None:
+        """Autograd's hook, once per pass after all of the parameter's gradient (None when it all went to the sink)."""
         self.on_backward_activity()
         grad = param.grad
-        param.grad = None
-        region = self._buffer(c)[slot.offset:slot.offset + slot.numel]
-        written = self.written.get(c)
-        if written is None or slot.offset in written:
-            region.add_(grad.reshape(-1))
-        else:
-            region.copy_(grad.reshape(-1))
-            written.add(slot.offset)
+        if grad is not None:
+            param.grad = None
+            region = self._buffer(c)[slot.offset:slot.offset + slot.numel]
+            written = self.written.get(c)
+            if written is None or slot.offset in written:
+                region.add_(grad.reshape(-1))
+            else:
+                region.copy_(grad.reshape(-1))
+                written.add(slot.offset)
         self.fired[c] += 1
         if self.fired[c] == self.expected[c]:
             if self.mode == "shard":
@@ -206,8 +242,12 @@ class GradReducer:
     def _finish(self) -> None:
         c, handle, out, buf, direct = self.pending.popleft()
         handle.wait()
+        base = buf if buf._base is None else buf._base
         if len(self.spare) < self.max_spare:
-            self.spare.append(buf if buf._base is None else buf._base)
+            self.used[id(base)] = max(self.used.get(id(base), 0), buf.numel())
+            self.spare.append(base)
+        else:
+            self.used.pop(id(base), None)
         final = self.final_pass
         if direct:
             out.mul_(1.0 / self.comm.size)

@@ -94,7 +94,8 @@ class GPTModel(nn.Module):
             tied = not config.untie_embeddings_and_output_weights
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, config.padded_vocab_size, bias=False,
-                init_method=None if tied else config.init_method("output_layer.weight"))
+                init_method=None if tied else config.init_method("output_layer.weight"),
+                gradient_accumulation_fusion=config.gradient_accumulation_fusion)
             if tied and self.pre_process:
                 del self.output_layer.weight  # the head reads the embedding's weight
                 self.output_layer.register_parameter("weight", None)

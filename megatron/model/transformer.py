@@ -38,11 +38,14 @@ class Attention(nn.Module):
         self.groups_per_rank = divide(config.num_query_groups, tp, "number of query groups")
         self.q_per_group = config.num_attention_heads // config.num_query_groups
         qkv_out = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
+        fusion = config.gradient_accumulation_fusion
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_out, bias=config.add_bias_linear,
-                                               init_method=config.init_method(prefix + "linear_qkv.weight"))
+                                               init_method=config.init_method(prefix + "linear_qkv.weight"),
+                                               gradient_accumulation_fusion=fusion)
         self.linear_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                              bias=config.add_bias_linear,
-                                             init_method=config.output_init_method(prefix + "linear_proj.weight"))
+                                             init_method=config.output_init_method(prefix + "linear_proj.weight"),
+                                             gradient_accumulation_fusion=fusion)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None, rotary: tuple | None) -> torch.Tensor:
         b, s, _ = x.shape
@@ -72,13 +75,17 @@ class MLP(nn.Module):
         h, f, bias = config.hidden_size, config.ffn_hidden_size, config.add_bias_linear
         self.swiglu = config.swiglu
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
+        fusion = config.gradient_accumulation_fusion
         self.linear_fc1 = ColumnParallelLinear(h, f, bias=bias,
-                                               init_method=config.init_method(prefix + "linear_fc1.weight"))
+                                               init_method=config.init_method(prefix + "linear_fc1.weight"),
+                                               gradient_accumulation_fusion=fusion)
         if self.swiglu:
             self.linear_fc1_gate = ColumnParallelLinear(
-                h, f, bias=bias, init_method=config.init_method(prefix + "linear_fc1_gate.weight"))
+                h, f, bias=bias, init_method=config.init_method(prefix + "linear_fc1_gate.weight"),
+                gradient_accumulation_fusion=fusion)
         self.linear_fc2 = RowParallelLinear(f, h, bias=bias,
-                                            init_method=config.output_init_method(prefix + "linear_fc2.weight"))
+                                            init_method=config.output_init_method(prefix + "linear_fc2.weight"),
+                                            gradient_accumulation_fusion=fusion)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:

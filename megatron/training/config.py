@@ -57,6 +57,7 @@ class ModelConfig:
     recompute_method: str = "uniform"  # uniform | block
     recompute_num_layers: int = 1  # layers per recompute chunk (uniform) or recomputed layers per stage (block)
     seed: int = 1234  # weights are initialised from (seed, parameter name)
+    gradient_accumulation_fusion: bool = True  # linear layers add weight gradients into the gradient buffers
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by"):
@@ -80,7 +81,8 @@ class ModelConfig:
             hidden_dropout=self.hidden_dropout, attention_dropout=self.attention_dropout,
             init_method_std=self.init_method_std, precision=self.precision,
             recompute_granularity=self.recompute_granularity, recompute_method=self.recompute_method,
-            recompute_num_layers=self.recompute_num_layers, seed=self.seed)
+            recompute_num_layers=self.recompute_num_layers, seed=self.seed,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion)
 
 
 @dataclass(frozen=True)

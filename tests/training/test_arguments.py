@@ -101,6 +101,9 @@ def test_resolved_values():
     assert cfg.optimizer.bf16 and not cfg.deepspeed.enabled
     model = cfg.model.transformer_config(100, cfg.parallel.tensor_model_parallel_size)
     assert model.padded_vocab_size == 128  # a multiple of 64 x TP 2
+    assert model.gradient_accumulation_fusion  # Megatron's default
+    cfg = parse_args(TINY_GPT + ["--no-gradient-accumulation-fusion"], world_size=1)
+    assert not cfg.model.transformer_config(100, 1).gradient_accumulation_fusion
 
 
 def test_checkpoint_args_keep_megatron_names():

@@ -12,6 +12,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from tests.dist_utils import run_distributed
+from zero_cache.weight_grad import linear
 
 VOCAB, HIDDEN = 16, 8
 
@@ -250,6 +251,33 @@ def test_bf16_grads_accumulate_in_fp32_main_grad():
     for p, e in zip(model.parameters(), expected):
         assert p.grad is None and p.main_grad.dtype == torch.float32
         assert torch.equal(p.main_grad, e)
+
+
+class _FusedLinear(nn.Linear):
+    def forward(self, x):
+        return linear(x, self.weight, self.bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_linear_layers_add_their_weight_gradients_into_main_grad(dtype):
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).to(dtype)
+    fused = nn.Sequential(_FusedLinear(4, 8), nn.Tanh(), _FusedLinear(8, 2)).to(dtype)
+    fused.load_state_dict(plain.state_dict())
+    from_autograd = []  # registered before DDP's hooks: param.grad as autograd left it
+    for layer in (fused[0], fused[2]):
+        layer.weight.register_post_accumulate_grad_hook(lambda p: from_autograd.append(p.grad is not None))
+    ddps = [DistributedDataParallel(m, None) for m in (plain, fused)]
+    x = torch.randn(2, 6, 4).to(dtype)
+    for ddp in ddps:
+        with ddp.no_sync():
+            ddp(x[:, :3]).float().square().mean().backward()
+        ddp(x[:, 3:]).float().square().mean().backward()
+        ddp.finish_grad_sync()
+    for p, q in zip(fused.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.main_grad, q.main_grad, rtol=1e-5, atol=1e-6)
+    if dtype == torch.bfloat16:  # fp32 weights' .grad is main_grad itself either way
+        assert from_autograd == [False] * 4
 
 
 def test_wrapper_is_transparent():

@@ -8,17 +8,27 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from zero_cache.weight_grad import linear
+
 VOCAB, HIDDEN, SEQ, LAYERS = 64, 16, 8, 2
 GLOBAL_BATCH, GAS, STEPS = 8, 2, 10
 LR, BETAS, EPS, WD, CLIP = 1e-2, (0.9, 0.95), 1e-8, 0.1, 5.0
 
 
+class FusedLinear(nn.Linear):
+    """nn.Linear whose weight gradient goes to the engine's sink (zero_cache/weight_grad.py)."""
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias)
+
+
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, fused: bool = False):
         super().__init__()
+        make_linear = FusedLinear if fused else nn.Linear
         self.ln1 = nn.LayerNorm(HIDDEN)
-        self.fc1 = nn.Linear(HIDDEN, 4 * HIDDEN)
-        self.fc2 = nn.Linear(4 * HIDDEN, HIDDEN)
+        self.fc1 = make_linear(HIDDEN, 4 * HIDDEN)
+        self.fc2 = make_linear(4 * HIDDEN, HIDDEN)
         self.gate = nn.Parameter(torch.ones(HIDDEN))  # a tiny parameter used directly by the block
 
     def forward(self, x):
@@ -40,10 +50,10 @@ class TiedHead(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, activation_checkpointing: bool = False):
+    def __init__(self, activation_checkpointing: bool = False, fused: bool = False):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(Block(fused) for _ in range(LAYERS))
         self.ln_f = nn.LayerNorm(HIDDEN)
         self.head = TiedHead()
         self.activation_checkpointing = activation_checkpointing

@@ -4,7 +4,9 @@ Every trainable parameter gets ``param.main_grad``, a view into one flat buffer.
 When a parameter's dtype equals the buffer's (fp32 training), ``param.grad`` *is*
 that view, so autograd accumulates straight into the buffer and no second
 gradient copy exists. 16-bit parameters get their gradient added into the fp32
-buffer by a post-accumulate hook, which then frees ``param.grad``.
+buffer by a post-accumulate hook, which then frees ``param.grad``. Linear layers
+with gradient-accumulation fusion add their weight gradient into ``main_grad``
+themselves (zero_cache/weight_grad.py): autograd allocates none for them.
 
 The buffer is laid out in reverse parameter order (roughly the order backward
 produces gradients) and cut into buckets of about ``bucket_size`` elements. On
@@ -20,6 +22,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from zero_cache.weight_grad import set_weight_grad_sink
 
 
 class GradBucket:
@@ -98,6 +102,7 @@ class DistributedDataParallel(nn.Module):
             p.main_grad = self.grad_buffer[offset:offset + p.numel()].view_as(p)
             if p.dtype == self.grad_buffer.dtype:
                 p.grad = p.main_grad  # autograd accumulates into the buffer in place: no second copy
+            set_weight_grad_sink(p, _add_product_into(p.main_grad))
             members.append(p)
             offset += p.numel()
             if offset - start >= bucket_size:
@@ -125,11 +130,11 @@ class DistributedDataParallel(nn.Module):
                 "the parameter received two gradients in one backward (use torch.utils.checkpoint with "
                 "use_reentrant=False)")
         if param.dtype == self.grad_buffer.dtype:
-            if param.grad.data_ptr() != param.main_grad.data_ptr():
+            if param.grad is None or param.grad.data_ptr() != param.main_grad.data_ptr():
                 raise RuntimeError(f"gradient of {name} no longer lives in the DDP grad buffer (was .grad set to "
                                    "None, e.g. by module.zero_grad()?); clear gradients with zero_grad_buffer() "
                                    "or optimizer.zero_grad() instead")
-        else:
+        elif param.grad is not None:  # None: a fused linear layer added all of it into main_grad
             param.main_grad.add_(param.grad)
             param.grad = None
         if self.is_last_microbatch and self.overlap_grad_reduce:
@@ -201,3 +206,15 @@ class DistributedDataParallel(nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True):
         return self.module.load_state_dict(state_dict, strict=strict)
+
+
+def _add_product_into(main_grad: torch.Tensor):
+    """A weight-gradient sink that adds ``grad_output^T @ input`` into ``main_grad`` (which it holds, not the
+    parameter, so that the sink table does not keep the parameter alive)."""
+    def sink(grad_output: torch.Tensor, inputs: torch.Tensor) -> None:
+        if grad_output.dtype == main_grad.dtype:
+            main_grad.addmm_(grad_output.t(), inputs)
+        else:  # 16-bit layers, fp32 buffer
+            main_grad.add_(grad_output.t().mm(inputs))
+    return sink
+

@@ -4,7 +4,9 @@ Weights are initialised on the full (unpartitioned) shape with the caller's
 init function and then sliced, so a model has the same weights under every
 tensor-parallel size; this is what makes TP runs comparable to a single-process
 reference. Partitioned parameters carry ``tensor_model_parallel = True`` and
-``partition_dim`` so checkpoint tools can re-assemble them.
+``partition_dim`` so checkpoint tools can re-assemble them. With
+``gradient_accumulation_fusion`` the linear layers add their weight gradient
+into the gradient buffer themselves (zero_cache/weight_grad.py).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from zero_cache.weight_grad import linear
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -64,10 +67,12 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True, gather_output: bool = False,
                  init_method: InitMethod | None = None, skip_bias_add: bool = False,
-                 params_dtype: torch.dtype = torch.float32, device: torch.device | None = None):
+                 params_dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+                 gradient_accumulation_fusion: bool = True):
         super().__init__()
         world = ps.get_tensor_model_parallel_world_size()
         self.input_size, self.output_size = input_size, output_size
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.output_size_per_partition = divide(output_size, world, "output size of a column-parallel layer")
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size,
@@ -86,7 +91,7 @@ class ColumnParallelLinear(nn.Module):
         weight = self.weight if weight is None else weight
         x = copy_to_tensor_model_parallel_region(x)
         bias = None if self.skip_bias_add else self.bias
-        out = F.linear(x, weight, bias)
+        out = linear(x, weight, bias, fuse=self.gradient_accumulation_fusion)
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out)
         return (out, self.bias) if self.skip_bias_add else out
@@ -97,10 +102,12 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True, input_is_parallel: bool = True,
                  init_method: InitMethod | None = None, skip_bias_add: bool = False,
-                 params_dtype: torch.dtype = torch.float32, device: torch.device | None = None):
+                 params_dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+                 gradient_accumulation_fusion: bool = True):
         super().__init__()
         world = ps.get_tensor_model_parallel_world_size()
         self.input_size, self.output_size = input_size, output_size
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.input_size_per_partition = divide(input_size, world, "input size of a row-parallel layer")
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition,
@@ -118,7 +125,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x)
-        out = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight))
+        out = reduce_from_tensor_model_parallel_region(linear(x, self.weight, fuse=self.gradient_accumulation_fusion))
         if self.skip_bias_add:
             return out, self.bias
         return out + self.bias if self.bias is not None else out

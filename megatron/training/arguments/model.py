@@ -36,6 +36,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
     g.add_argument("--recompute-num-layers", type=int, default=1)
     g.add_argument("--checkpoint-activations", action="store_true", help="legacy alias of --recompute-granularity full")
+    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
+                   help="linear layers return their weight gradients through autograd instead of adding them into "
+                        "the gradient buffers themselves (main_grad, or the ZeRO engine's with --deepspeed)")
     return parser
 
 
@@ -61,4 +64,5 @@ def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, precision=_precision(args),
         recompute_granularity="full" if args.checkpoint_activations else args.recompute_granularity,
-        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers, seed=args.seed)
+        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers, seed=args.seed,
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion)
