@@ -57,6 +57,7 @@ from .host_memory import empty_mapped
 from .partition import FlatChunk, ParamSlot
 from .store import DEVICE, ShardStore
 from .streams import HostStreams, Streams
+from .weight_grad import add_product
 
 NormRanges = Sequence[tuple[int, int]] | None  # shard ranges counted in the global norm (None: all)
 
@@ -173,18 +174,21 @@ class GradReducer:
         reducer = weakref.ref(self)
         return lambda grad_output, inputs: reducer()._on_product(c, slot, grad_output, inputs)
 
+    def _region(self, c: int, slot: ParamSlot) -> tuple[torch.Tensor, bool]:
+        """The slot's region of chunk ``c``'s buffer, and whether the value arriving now overwrites it (the slot's
+        first gradient in a buffer that is not zeroed); the slot counts as written from here on."""
+        region = self._buffer(c)[slot.offset:slot.offset + slot.numel]
+        written = self.written.get(c)
+        first = written is not None and slot.offset not in written
+        if first:
+            written.add(slot.offset)
+        return region, first
+
     def _on_product(self, c: int, slot: ParamSlot, grad_output: torch.Tensor, inputs: torch.Tensor) -> None:
         """Add ``grad_output^T @ inputs`` into the slot's region; the parameter's hook comes after every product."""
         self.on_backward_activity()
-        region = self._buffer(c)[slot.offset:slot.offset + slot.numel].view(slot.shape)
-        written = self.written.get(c)
-        if region.dtype != grad_output.dtype:  # a 16-bit model's fp32 full buffer (stage 1)
-            region.add_(grad_output.t().mm(inputs))
-        elif written is None or slot.offset in written:
-            region.addmm_(grad_output.t(), inputs)
-        else:
-            torch.mm(grad_output.t(), inputs, out=region)
-            written.add(slot.offset)
+        region, first = self._region(c, slot)
+        add_product(region.view(slot.shape), grad_output, inputs, overwrite=first)
 
     def _on_grad(self, c: int, slot: ParamSlot, param: nn.Parameter) -> None:
         """Autograd's hook, once per pass after all of the parameter's gradient (None when it all went to the sink)."""
@@ -192,13 +196,11 @@ class GradReducer:
         grad = param.grad
         if grad is not None:
             param.grad = None
-            region = self._buffer(c)[slot.offset:slot.offset + slot.numel]
-            written = self.written.get(c)
-            if written is None or slot.offset in written:
-                region.add_(grad.reshape(-1))
-            else:
+            region, first = self._region(c, slot)
+            if first:
                 region.copy_(grad.reshape(-1))
-                written.add(slot.offset)
+            else:
+                region.add_(grad.reshape(-1))
         self.fired[c] += 1
         if self.fired[c] == self.expected[c]:
             if self.mode == "shard":

@@ -40,6 +40,22 @@ def weight_grad_sink(param: torch.Tensor) -> WeightGradSink | None:
     return _sinks.get(param)
 
 
+def add_product(out: torch.Tensor, grad_output: torch.Tensor, inputs: torch.Tensor, *,
+                overwrite: bool = False) -> None:
+    """``out += grad_output^T @ inputs`` (``overwrite``: ``out = ...``), the matmul writing into ``out`` when
+    the dtypes agree; a 16-bit layer's product is formed first and then added to (or copied into) ``out``."""
+    if out.dtype != grad_output.dtype:
+        product = grad_output.t().mm(inputs)
+        if overwrite:
+            out.copy_(product)
+        else:
+            out.add_(product)
+    elif overwrite:
+        torch.mm(grad_output.t(), inputs, out=out)
+    else:
+        out.addmm_(grad_output.t(), inputs)
+
+
 class _LinearWithWeightGradSink(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sink: WeightGradSink):

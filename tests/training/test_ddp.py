@@ -12,7 +12,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from tests.dist_utils import run_distributed
-from zero_cache.weight_grad import linear
+from tests.zero_cache.common import FusedLinear
 
 VOCAB, HIDDEN = 16, 8
 
@@ -253,16 +253,11 @@ def test_bf16_grads_accumulate_in_fp32_main_grad():
         assert torch.equal(p.main_grad, e)
 
 
-class _FusedLinear(nn.Linear):
-    def forward(self, x):
-        return linear(x, self.weight, self.bias)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_linear_layers_add_their_weight_gradients_into_main_grad(dtype):
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).to(dtype)
-    fused = nn.Sequential(_FusedLinear(4, 8), nn.Tanh(), _FusedLinear(8, 2)).to(dtype)
+    fused = nn.Sequential(FusedLinear(4, 8), nn.Tanh(), FusedLinear(8, 2)).to(dtype)
     fused.load_state_dict(plain.state_dict())
     from_autograd = []  # registered before DDP's hooks: param.grad as autograd left it
     for layer in (fused[0], fused[2]):

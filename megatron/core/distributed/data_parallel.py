@@ -17,13 +17,14 @@ the rest of backward; ``finish_grad_sync()`` waits for all of them.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_cache.weight_grad import set_weight_grad_sink
+from zero_cache.weight_grad import add_product, set_weight_grad_sink
 
 
 class GradBucket:
@@ -102,7 +103,8 @@ class DistributedDataParallel(nn.Module):
             p.main_grad = self.grad_buffer[offset:offset + p.numel()].view_as(p)
             if p.dtype == self.grad_buffer.dtype:
                 p.grad = p.main_grad  # autograd accumulates into the buffer in place: no second copy
-            set_weight_grad_sink(p, _add_product_into(p.main_grad))
+            # The sink holds main_grad, not the parameter, so that the sink table does not keep it alive.
+            set_weight_grad_sink(p, functools.partial(add_product, p.main_grad))
             members.append(p)
             offset += p.numel()
             if offset - start >= bucket_size:
@@ -206,15 +208,3 @@ class DistributedDataParallel(nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True):
         return self.module.load_state_dict(state_dict, strict=strict)
-
-
-def _add_product_into(main_grad: torch.Tensor):
-    """A weight-gradient sink that adds ``grad_output^T @ input`` into ``main_grad`` (which it holds, not the
-    parameter, so that the sink table does not keep the parameter alive)."""
-    def sink(grad_output: torch.Tensor, inputs: torch.Tensor) -> None:
-        if grad_output.dtype == main_grad.dtype:
-            main_grad.addmm_(grad_output.t(), inputs)
-        else:  # 16-bit layers, fp32 buffer
-            main_grad.add_(grad_output.t().mm(inputs))
-    return sink
-
