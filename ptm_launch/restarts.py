@@ -39,11 +39,15 @@ class Failure:
 
     def priority(self) -> int:
         """How likely this is the cause rather than a consequence: a dead node, a rank killed by a signal or
-        with a stated error beat ranks that exited 1 or were stopped (SIGTERM) by torchrun."""
+        with a stated error beat ranks that exited 1 or were stopped (SIGTERM) by torchrun. SIGABRT ranks
+        below a stated error: it is how the collectives' own threads end a rank whose peer vanished (gloo's
+        ``terminate called without an active exception``, NCCL's watchdog)."""
         if self.is_node:
             return 6
         if self.exitcode < 0:
-            return 0 if -self.exitcode in (signal.SIGTERM, signal.SIGINT) else 5
+            if -self.exitcode in (signal.SIGTERM, signal.SIGINT):
+                return 0
+            return 2 if -self.exitcode == signal.SIGABRT else 5
         if self.exitcode not in (0, 1):
             return 4
         return 3 if self.cause_line else 1

@@ -22,6 +22,9 @@ def test_the_cause_beats_its_consequences_whatever_the_order():
     assert cause_of([peer_lost, bad_input]) is bad_input
     stated = _rank(4.0, 1, 0, 5, line="RuntimeError: CUDA out of memory")
     assert cause_of([peer_lost, stated]) is stated
+    aborted = _rank(0.5, -signal.SIGABRT, 1, 4)  # gloo's thread ended it when its peer left
+    assert cause_of([aborted, peer_lost, stated]) is stated
+    assert cause_of([aborted, peer_lost]) is aborted
     node = Failure(1, "h1", 5.0, 137)
     assert cause_of([killed, node]) is node
     assert cause_of([_rank(2.0, 1), _rank(1.0, 1, rank=7)]).global_rank == 7  # ties: the earliest
