@@ -28,6 +28,7 @@ import os
 import queue
 import shutil
 import struct
+import sys
 import threading
 import time
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
@@ -81,11 +82,26 @@ def check_writable(nvme_path: str) -> None:
 
 
 class AlignedBuffer:
-    """Page-aligned host memory (anonymous mmap) viewed as a uint8 tensor of ``capacity`` bytes."""
+    """Page-aligned host memory (a private anonymous mmap) viewed as a uint8 tensor of ``capacity`` bytes."""
 
     def __init__(self, capacity: int):
         self.capacity = round_up(max(capacity, 1))
-        self.mm = mmap.mmap(-1, self.capacity)
+        # Private, so that resize() can grow it: a shared anonymous mapping cannot grow past its first size.
+        self.mm = mmap.mmap(-1, self.capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+    def resize(self, capacity: int) -> bool:
+        """Grow or shrink (``mremap``, which may move it): the pages kept stay mapped, so only new ones fault
+        and get zeroed. False while anything still views the buffer: a tensor from ``view`` holds a reference
+        to the mapping (not a buffer export, which mmap would refuse to resize under), and moving the memory
+        under it would leave it pointing at unmapped pages."""
+        if sys.getrefcount(self.mm) > 2:  # this attribute and the call's argument
+            return False
+        try:
+            self.mm.resize(capacity)
+        except BufferError:  # a memoryview of it is alive
+            return False
+        self.capacity = capacity
+        return True
 
     def view(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """The first ``numel`` elements; the tensor's storage is exactly those bytes (torch.save writes no more)."""
@@ -110,18 +126,33 @@ class BufferPool:
             free = self._free.get(cap)
             buf = free.pop() if free else None
             if buf is None:
-                if self.limit is not None:  # make room by dropping free buffers of other sizes
+                reused = None
+                if self.limit is not None and self.held + cap > self.limit:
+                    # Make room from the free buffers of other sizes. The one nearest in size is resized rather
+                    # than unmapped, so that its pages are not faulted and zeroed again; the rest are dropped.
+                    reused = self._pop_nearest(cap)
                     for other in list(self._free):
                         while self._free[other] and self.held + cap > self.limit:
                             self.held -= self._free[other].pop().capacity
                     if self.held + cap > self.limit:
                         raise MemoryError(f"zero_cache SSD tier: staging buffers would need {self.held + cap} bytes, "
                                           f"more than the {self.limit} bytes reserved for them in the host budget")
-                buf = AlignedBuffer(cap)
+                buf = reused if reused is not None and reused.resize(cap) else AlignedBuffer(cap)
                 self.held += cap
                 self.peak_held = max(self.peak_held, self.held)
             self.in_use += cap
             self.peak_in_use = max(self.peak_in_use, self.in_use)
+        return buf
+
+    def _pop_nearest(self, cap: int) -> AlignedBuffer | None:
+        """Take the free buffer nearest ``cap`` bytes out of the pool's accounting (the smallest larger one, else
+        the largest); the caller holds the lock."""
+        sizes = [c for c, bufs in self._free.items() if bufs]
+        if not sizes:
+            return None
+        larger = [c for c in sizes if c > cap]
+        buf = self._free[min(larger) if larger else max(sizes)].pop()
+        self.held -= buf.capacity
         return buf
 
     def give(self, buf: AlignedBuffer, dst: "BufferPool") -> bool:

@@ -310,6 +310,61 @@ def test_page_file_round_trip_and_layout(tmp_path, numel):
     assert not os.path.exists(store.directory)
 
 
+def test_staging_pool_at_its_limit_resizes_a_free_buffer_instead_of_mapping_a_new_one():
+    mib = 1 << 20
+    pool = aio.BufferPool(limit=3 * mib)
+    first = pool.acquire(2 * mib)
+    first.mm[:5] = b"pages"
+    pool.release(first)
+    grown = pool.acquire(3 * mib)  # 2 + 3 MiB would pass the limit: the free 2 MiB buffer grows
+    assert grown is first and grown.capacity == len(grown.mm) == 3 * mib
+    assert grown.mm[:5] == b"pages"  # the same pages, still mapped
+    grown.mm[-1] = 1  # the new part is usable
+    assert (pool.held, pool.in_use) == (3 * mib, 3 * mib)
+    pool.release(grown)
+    other = pool.acquire(3 * mib)
+    assert other is grown  # the same size: taken as it is
+    pool.release(other)
+    shrunk = pool.acquire(mib)  # 3 + 1 MiB would pass the limit: the free 3 MiB buffer shrinks
+    assert shrunk is grown and len(shrunk.mm) == mib and shrunk.mm[:5] == b"pages"
+    assert (pool.held, pool.in_use) == (mib, mib)
+    pool.release(shrunk)
+
+    # A buffer a tensor still views cannot be resized: a new one is mapped and the accounting stays exact.
+    tight = aio.BufferPool(limit=2 * mib)
+    buf = tight.acquire(mib)
+    view = buf.view(torch.float32, 16)
+    tight.release(buf)
+    fresh = tight.acquire(2 * mib)
+    assert fresh is not buf and fresh.capacity == 2 * mib
+    assert (tight.held, tight.in_use) == (2 * mib, 2 * mib)
+    del view
+
+
+def test_page_files_round_trip_through_resized_staging_buffers(tmp_path, monkeypatch):
+    resized = []
+    real_resize = aio.AlignedBuffer.resize
+    monkeypatch.setattr(aio.AlignedBuffer, "resize", lambda buf, cap: resized.append(cap) or real_resize(buf, cap))
+    store = _store(tmp_path)
+    store.pool.limit = aio.round_up(30000 * 4)  # one buffer: every swap_in of the other key resizes it
+    sizes = {"small": 3000, "large": 30000}
+    values = {k: torch.randn(n) for k, n in sizes.items()}
+    for key, n in sizes.items():
+        store.allocate(key, "optimizer", "nvme", n, torch.float32)
+        store.put(key, values[key])
+    for key in ["small", "large", "small", "large"]:
+        (t,) = store.swap_in([key]).wait()
+        assert torch.equal(t, values[key])
+        t.add_(1)
+        values[key] = t.clone()
+        store.swap_out([key], [t]).wait()
+        del t
+    for key in sizes:
+        assert torch.equal(store.read(key), values[key])
+    assert len(resized) >= 4 and store.pool.held <= store.pool.limit
+    store.close()
+
+
 @pytest.mark.parametrize("damage", ["flip-payload", "truncate", "header"])
 def test_damaged_page_file_is_a_clear_error(tmp_path, damage):
     store = _store(tmp_path)
