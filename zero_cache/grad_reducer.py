@@ -131,6 +131,13 @@ class GradReducer:
         # keep their buffer, which the next passes add into, and are reduce-scattered once, in the last pass:
         # one reduction per step instead of one per micro-batch. At most max(1, max_events) are held, those
         # that completed last (the earlier ones are reduced at once, behind the backward that is still running).
+        # A reduce-scatter result that does not land in the gradient shard itself (SSD shards, later micro-batches)
+        # is added into it at once on the CPU; its buffer then serves the next such result of the pass, rather
+        # than a fresh mapping that gloo's receive faults in page by page. Each is mapped at the largest shard's
+        # size (only the pages used become resident), so any fits any chunk. As many are kept as a pass has in
+        # flight at once, until the optimizer step (which gets the memory back).
+        self.result_spares: list[torch.Tensor] = []
+        self.result_numel = max(c.plan.shard for c in chunks)
         self.held: list[int] = []
         self.max_held = max(1, max_events)
         self.held_passes: dict[int, int] = {}  # chunk -> passes of this step it ended held (reductions saved)
@@ -165,6 +172,22 @@ class GradReducer:
         buf = empty_mapped(self.buffer_numel, like.dtype, like.device)
         self.used[id(buf)] = 0
         return buf[:numel]
+
+    def _result_buffer(self, c: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Where chunk ``c``'s reduce-scatter result goes when it does not go into the shard itself."""
+        numel = self.chunks[c].plan.shard
+        if torch.device(device).type != "cpu" or self.to_host[c]:
+            return torch.empty(numel, dtype=dtype, device=device)
+        for i, spare in enumerate(self.result_spares):
+            if spare.dtype == dtype:
+                return self.result_spares.pop(i)[:numel]
+        return empty_mapped(self.result_numel, dtype, device)[:numel]
+
+    def _keep_result(self, out: torch.Tensor) -> None:
+        """``out`` was added into its shard: keep its buffer for the next result (on the CPU only: an
+        accelerator's caching allocator reuses its blocks)."""
+        if out.device.type == "cpu" and len(self.result_spares) < self.max_spare:
+            self.result_spares.append(out if out._base is None else out._base)
 
     def weight_grad_sink(self, c: int, slot: ParamSlot) -> Callable[[torch.Tensor, torch.Tensor], None]:
         """The sink of ``slot``'s parameter (weight_grad.py): its gradient is ``grad_output^T @ input``.
@@ -235,7 +258,7 @@ class GradReducer:
         if direct:
             out, self.fresh[c] = chunk.grad, False
         else:
-            out = empty_mapped(chunk.plan.shard, buf.dtype, buf.device)
+            out = self._result_buffer(c, buf.dtype, buf.device)
         handle = self.comm.reduce_scatter(out, buf, tag=f"chunk{c}", async_op=True)
         self.pending.append((c, handle, out, buf, direct))
         while len(self.pending) > self.max_events:
@@ -258,6 +281,7 @@ class GradReducer:
             self._send_to_host(c, out, final)
         else:
             self._accumulate(c, out, 1.0 / self.comm.size, self._take_fresh(c))
+            self._keep_result(out)
             self._shard_final(c, final)
 
     def _take_fresh(self, c: int) -> bool:
@@ -357,14 +381,16 @@ class GradReducer:
         if self.mode == "full":
             for c in sorted(self.buffers):
                 buf = self.buffers[c]
-                out = empty_mapped(self.chunks[c].plan.shard, torch.float32, buf.device)
+                out = self._result_buffer(c, torch.float32, buf.device)
                 self.comm.reduce_scatter(out, buf, tag=f"chunk{c}")
                 if self.to_host[c]:
                     self._send_to_host(c, out, False)
                 else:
                     self._accumulate(c, out, 1.0 / self.comm.size, self._take_fresh(c))
+                    self._keep_result(out)
                 buf.zero_()
             self.drain()
+        self.result_spares = []
         for c in range(len(self.chunks)):  # shards without a gradient this step hold last step's values
             if not self.fresh[c]:
                 continue

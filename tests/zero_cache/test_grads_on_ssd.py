@@ -9,6 +9,7 @@ from torch import nn
 
 import zero_cache
 from tests.dist_utils import run_distributed
+from zero_cache import grad_reducer
 
 pytestmark = pytest.mark.multiprocess
 
@@ -55,23 +56,35 @@ def _config(nvme: str, pipeline: bool, host_budget: int) -> dict:
 
 def _train(rank, world_size, nvme, pipeline, host_budget):
     engine = zero_cache.initialize(model=_model(), config=_config(nvme, pipeline, host_budget))
+    # Reduce-scatter results that go to SSD shards: how many, and how many took a new buffer.
+    results, mapped = [0], [0]
+    reducer = engine.reducer
+    take, map_new = reducer._result_buffer, grad_reducer.empty_mapped
+    reducer._result_buffer = lambda *a: results.__setitem__(0, results[0] + 1) or take(*a)
+    grad_reducer.empty_mapped = lambda n, *a: (n == reducer.result_numel and mapped.__setitem__(0, mapped[0] + 1)) \
+        or map_new(n, *a)
     xs, ys = _data()
     per_rank = GAS * MICRO
-    losses = []
-    for s in range(STEPS):
-        total = 0.0
-        for m in range(GAS):
-            lo = rank * per_rank + m * MICRO
-            loss = nn.functional.mse_loss(engine(xs[s, lo:lo + MICRO]), ys[s, lo:lo + MICRO])
-            engine.backward(loss)
-            total += loss.item() / GAS
-        engine.step()
-        losses.append(total)
+    losses, per_step = [], []
+    try:
+        for s in range(STEPS):
+            total = 0.0
+            results[0] = mapped[0] = 0
+            for m in range(GAS):
+                lo = rank * per_rank + m * MICRO
+                loss = nn.functional.mse_loss(engine(xs[s, lo:lo + MICRO]), ys[s, lo:lo + MICRO])
+                engine.backward(loss)
+                total += loss.item() / GAS
+            engine.step()
+            losses.append(total)
+            per_step.append((results[0], mapped[0]))
+    finally:
+        grad_reducer.empty_mapped = map_new
     report = engine.memory_report()
     weights = engine.gather_state_dict()
     on_ssd = [("grad" in c.swapped) for c in engine.chunks]
     engine.close()
-    return losses, weights, report, on_ssd
+    return losses, weights, report, on_ssd, per_step
 
 
 def _train_both(rank, world_size, nvme, pipeline, ssd_budget, host_budget):
@@ -93,7 +106,10 @@ def test_grads_on_ssd_match_reference(tmp_path, pipeline, ssd_budget, host_budge
         torch.testing.assert_close(ssd[0][1][k], v, rtol=0, atol=2 * LR)
         assert torch.equal(ssd[0][1][k], host[0][1][k]), k
     assert [r[0] for r in ssd] == [r[0] for r in host]
-    for (_, _, report, on_ssd), (_, _, host_report, host_on_ssd) in zip(ssd, host):
+    for (_, _, report, on_ssd, per_step), (_, _, host_report, host_on_ssd, _) in zip(ssd, host):
+        # Every result after a step's first lands in the buffer of an earlier one (at most one more is mapped
+        # while the first is still being reduced).
+        assert all(results >= 4 and mapped <= 2 for results, mapped in per_step), per_step
         weights_chunks = [x for i, x in enumerate(on_ssd) if i != 1]  # chunk 1: the resident biases (host)
         assert any(weights_chunks) and not on_ssd[1]
         assert weights_chunks == sorted(weights_chunks)  # the last sub-groups move first
