@@ -98,7 +98,7 @@ class AlignedBuffer:
             return False
         try:
             self.mm.resize(capacity)
-        except BufferError:  # a memoryview of it is alive
+        except (BufferError, OSError, SystemError):  # a memoryview of it is alive, or no mremap here
             return False
         self.capacity = capacity
         return True

@@ -131,6 +131,10 @@ class GradReducer:
         # keep their buffer, which the next passes add into, and are reduce-scattered once, in the last pass:
         # one reduction per step instead of one per micro-batch. At most max(1, max_events) are held, those
         # that completed last (the earlier ones are reduced at once, behind the backward that is still running).
+        self.held: list[int] = []
+        self.max_held = max(1, max_events)
+        self.held_passes: dict[int, int] = {}  # chunk -> passes of this step it ended held (reductions saved)
+        self.keep: set[int] = set()  # held at the end of the last such pass: they complete last, so stay held
         # A reduce-scatter result that does not land in the gradient shard itself (SSD shards, later micro-batches)
         # is added into it at once on the CPU; its buffer then serves the next such result of the pass, rather
         # than a fresh mapping that gloo's receive faults in page by page. Each is mapped at the largest shard's
@@ -138,10 +142,6 @@ class GradReducer:
         # flight at once, until the optimizer step (which gets the memory back).
         self.result_spares: list[torch.Tensor] = []
         self.result_numel = max(c.plan.shard for c in chunks)
-        self.held: list[int] = []
-        self.max_held = max(1, max_events)
-        self.held_passes: dict[int, int] = {}  # chunk -> passes of this step it ended held (reductions saved)
-        self.keep: set[int] = set()  # held at the end of the last such pass: they complete last, so stay held
         self._hooks = []
         for c in chunks:
             for s in c.plan.slots:
@@ -176,8 +176,8 @@ class GradReducer:
     def _result_buffer(self, c: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Where chunk ``c``'s reduce-scatter result goes when it does not go into the shard itself."""
         numel = self.chunks[c].plan.shard
-        if torch.device(device).type != "cpu" or self.to_host[c]:
-            return torch.empty(numel, dtype=dtype, device=device)
+        if torch.device(device).type != "cpu" or self.to_host[c]:  # the host lane holds it until it lands
+            return empty_mapped(numel, dtype, device)
         for i, spare in enumerate(self.result_spares):
             if spare.dtype == dtype:
                 return self.result_spares.pop(i)[:numel]
