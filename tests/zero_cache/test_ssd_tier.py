@@ -341,6 +341,32 @@ def test_staging_pool_at_its_limit_resizes_a_free_buffer_instead_of_mapping_a_ne
     del view
 
 
+def _vm_flags(buf: aio.AlignedBuffer) -> list[str]:
+    """The kernel's VmFlags of the mapping that holds ``buf`` (/proc/self/smaps)."""
+    addr = buf.view(torch.uint8, 1).data_ptr()
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds address {addr:#x}")
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel/mm/transparent_hugepage"),
+                    reason="the kernel has no transparent huge pages (not Linux, or built without them)")
+def test_staging_buffers_ask_for_huge_pages_and_keep_them_when_resized():
+    big = aio.AlignedBuffer(4 << 20)
+    assert "hg" in _vm_flags(big)  # MADV_HUGEPAGE: the kernel backs the buffer with 2 MiB pages
+    assert big.resize(6 << 20) and "hg" in _vm_flags(big)  # mremap keeps the advice
+    big.mm[-1] = 1
+    small = aio.AlignedBuffer(aio.HEADER_BYTES)  # smaller than a huge page: no advice, no 2 MiB page for it
+    assert "hg" not in _vm_flags(small)
+
+
 def test_page_files_round_trip_through_resized_staging_buffers(tmp_path, monkeypatch):
     resized = []
     real_resize = aio.AlignedBuffer.resize
