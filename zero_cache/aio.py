@@ -97,9 +97,12 @@ class AlignedBuffer:
         self.capacity = round_up(max(capacity, 1))
         # Private, so that resize() can grow it: a shared anonymous mapping cannot grow past its first size.
         self.mm = mmap.mmap(-1, self.capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._ask_for_huge_pages()
+
+    def _ask_for_huge_pages(self) -> None:
         if self.capacity >= HUGE_PAGE and _MADV_HUGEPAGE is not None:
             try:
-                self.mm.madvise(_MADV_HUGEPAGE)  # the flag stays with the mapping through resize()
+                self.mm.madvise(_MADV_HUGEPAGE)  # the flag stays with the mapping through mremap
             except OSError:  # a kernel built without transparent huge pages: 4 KiB pages then
                 pass
 
@@ -115,6 +118,7 @@ class AlignedBuffer:
         except (BufferError, OSError, SystemError):  # a memoryview of it is alive, or no mremap here
             return False
         self.capacity = capacity
+        self._ask_for_huge_pages()  # a buffer grown past a huge page
         return True
 
     def view(self, dtype: torch.dtype, numel: int) -> torch.Tensor:

@@ -365,6 +365,7 @@ def test_staging_buffers_ask_for_huge_pages_and_keep_them_when_resized():
     big.mm[-1] = 1
     small = aio.AlignedBuffer(aio.HEADER_BYTES)  # smaller than a huge page: no advice, no 2 MiB page for it
     assert "hg" not in _vm_flags(small)
+    assert small.resize(4 << 20) and "hg" in _vm_flags(small)  # grown past a huge page: advised then
 
 
 def test_page_files_round_trip_through_resized_staging_buffers(tmp_path, monkeypatch):
