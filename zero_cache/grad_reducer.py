@@ -117,16 +117,9 @@ class GradReducer:
         self.on_change = on_change  # chunk c's shard is about to change again (host lane, before the change)
         self.on_final_sent = on_final_sent  # chunk c's final result was sent to the host lane (training thread)
         # Chunk gradient buffers whose reduction finished, reused by the next chunks, in this pass and the next
-        # steps': a fresh one is a mapping of its own on the CPU (host_memory.py), page-faulted in every time.
-        # Each is as large as the largest chunk, so that any spare fits any chunk (the memory planner counts
-        # reduce buffers of that size), and at most the buffers a pass uses at once are kept: the reductions in
-        # flight and the chunk accumulating. Each spare remembers how many of its leading elements have been
-        # used (its pages are resident from then on): a chunk takes the spare it fits in that is used the least
-        # beyond its size, or else the most used one, so that small chunks do not leave a large one fresh pages.
-        self.spare: list[torch.Tensor] = []
-        self.used: dict[int, int] = {}  # id of a buffer the reducer holds -> elements used so far
-        self.max_spare = max_events + 1
-        self.buffer_numel = max(c.plan.padded for c in chunks)
+        # steps' (the memory planner counts reduce buffers of the largest chunk's size), at most the buffers a
+        # pass uses at once: the reductions in flight and the chunk accumulating.
+        self.spare = SpareBuffers(max(c.plan.padded for c in chunks), max_events + 1)
         # Shard mode with fp32 buffers: chunks whose gradients completed in a pass that is not the step's last
         # keep their buffer, which the next passes add into, and are reduce-scattered once, in the last pass:
         # one reduction per step instead of one per micro-batch. At most max(1, max_events) are held, those
@@ -136,12 +129,10 @@ class GradReducer:
         self.held_passes: dict[int, int] = {}  # chunk -> passes of this step it ended held (reductions saved)
         self.keep: set[int] = set()  # held at the end of the last such pass: they complete last, so stay held
         # A reduce-scatter result that does not land in the gradient shard itself (SSD shards, later micro-batches)
-        # is added into it at once on the CPU; its buffer then serves the next such result of the pass, rather
-        # than a fresh mapping that gloo's receive faults in page by page. Each is mapped at the largest shard's
-        # size (only the pages used become resident), so any fits any chunk. As many are kept as a pass has in
-        # flight at once, until the optimizer step (which gets the memory back).
-        self.result_spares: list[torch.Tensor] = []
-        self.result_numel = max(c.plan.shard for c in chunks)
+        # is added into it at once on the CPU; its buffer then serves the next such result, rather than a fresh
+        # mapping that gloo's receive faults in page by page. As many are kept as a pass has in flight at once,
+        # until the optimizer step (which gets the memory back).
+        self.results = SpareBuffers(max(c.plan.shard for c in chunks), max_events + 1)
         self._hooks = []
         for c in chunks:
             for s in c.plan.slots:
@@ -155,39 +146,23 @@ class GradReducer:
             if self.mode == "full":
                 buf = self.store.allocate(f"c{c}.full_grad", "grads", DEVICE, chunk.plan.padded, torch.float32)
             else:  # not zeroed: the first gradient of a slot is copied in, the rest zeroed before reducing
-                buf = self._spare_buffer(chunk.plan.padded, chunk.full)
+                buf = self.spare.take(chunk.plan.padded, chunk.full.dtype, chunk.full.device)
                 self.written[c] = set()
             self.buffers[c] = buf
         return buf
-
-    def _spare_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
-        """The first ``numel`` elements of a spare buffer (or of a new one) of ``like``'s dtype and device."""
-        fits = [t for t in self.spare if t.dtype == like.dtype and t.device == like.device]
-        if fits:
-            covered = [t for t in fits if self.used[id(t)] >= numel]
-            best = (min(covered, key=lambda t: self.used[id(t)]) if covered
-                    else max(fits, key=lambda t: self.used[id(t)]))
-            self.spare = [t for t in self.spare if t is not best]
-            return best[:numel]
-        buf = empty_mapped(self.buffer_numel, like.dtype, like.device)
-        self.used[id(buf)] = 0
-        return buf[:numel]
 
     def _result_buffer(self, c: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Where chunk ``c``'s reduce-scatter result goes when it does not go into the shard itself."""
         numel = self.chunks[c].plan.shard
         if torch.device(device).type != "cpu" or self.to_host[c]:  # the host lane holds it until it lands
             return empty_mapped(numel, dtype, device)
-        for i, spare in enumerate(self.result_spares):
-            if spare.dtype == dtype:
-                return self.result_spares.pop(i)[:numel]
-        return empty_mapped(self.result_numel, dtype, device)[:numel]
+        return self.results.take(numel, dtype, device)
 
     def _keep_result(self, out: torch.Tensor) -> None:
         """``out`` was added into its shard: keep its buffer for the next result (on the CPU only: an
         accelerator's caching allocator reuses its blocks)."""
-        if out.device.type == "cpu" and len(self.result_spares) < self.max_spare:
-            self.result_spares.append(out if out._base is None else out._base)
+        if out.device.type == "cpu":
+            self.results.give(out)
 
     def weight_grad_sink(self, c: int, slot: ParamSlot) -> Callable[[torch.Tensor, torch.Tensor], None]:
         """The sink of ``slot``'s parameter (weight_grad.py): its gradient is ``grad_output^T @ input``.
@@ -267,12 +242,7 @@ class GradReducer:
     def _finish(self) -> None:
         c, handle, out, buf, direct = self.pending.popleft()
         handle.wait()
-        base = buf if buf._base is None else buf._base
-        if len(self.spare) < self.max_spare:
-            self.used[id(base)] = max(self.used.get(id(base), 0), buf.numel())
-            self.spare.append(base)
-        else:
-            self.used.pop(id(base), None)
+        self.spare.give(buf)
         final = self.final_pass
         if direct:
             out.mul_(1.0 / self.comm.size)
@@ -390,7 +360,7 @@ class GradReducer:
                     self._keep_result(out)
                 buf.zero_()
             self.drain()
-        self.result_spares = []
+        self.results.clear()
         for c in range(len(self.chunks)):  # shards without a gradient this step hold last step's values
             if not self.fresh[c]:
                 continue
@@ -427,3 +397,43 @@ class GradReducer:
         self.held_passes = {}
         self.ssd_stats.clear()
         self.stats = [None] * len(self.chunks)
+
+
+class SpareBuffers:
+    """Flat buffers kept for reuse, each ``numel`` elements so that any fits any request, at most ``cap``.
+
+    On the CPU a new buffer is a mapping of its own (host_memory.py) whose pages are faulted in and zeroed as
+    they are first written, so each spare remembers how many of its leading elements have been used (resident
+    from then on): a request takes the spare it fits in that is used the least beyond its size, or else the
+    most used one, so that small requests do not leave a large one fresh pages."""
+
+    def __init__(self, numel: int, cap: int):
+        self.numel, self.cap = numel, cap
+        self.free: list[torch.Tensor] = []
+        self.used: dict[int, int] = {}  # id of a buffer taken from or kept here -> elements used so far
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The first ``numel`` elements of a spare buffer (or of a new one) of that dtype and device."""
+        fits = [t for t in self.free if t.dtype == dtype and t.device == device]
+        if fits:
+            covered = [t for t in fits if self.used[id(t)] >= numel]
+            best = (min(covered, key=lambda t: self.used[id(t)]) if covered
+                    else max(fits, key=lambda t: self.used[id(t)]))
+            self.free = [t for t in self.free if t is not best]
+            return best[:numel]
+        buf = empty_mapped(self.numel, dtype, device)
+        self.used[id(buf)] = 0
+        return buf[:numel]
+
+    def give(self, view: torch.Tensor) -> None:
+        """``view`` (from ``take``) is no longer used: keep its buffer while there is room, else drop it."""
+        base = view if view._base is None else view._base
+        if len(self.free) < self.cap:
+            self.used[id(base)] = max(self.used.get(id(base), 0), view.numel())
+            self.free.append(base)
+        else:
+            self.used.pop(id(base), None)
+
+    def clear(self) -> None:
+        """Drop the spare buffers (their memory goes back once nothing views them)."""
+        self.free, self.used = [], {}

@@ -153,7 +153,7 @@ def _reduce_buffer_residency(rank, world):
             engine.backward(engine(tokens[:, :-1], torch.arange(16).unsqueeze(0), labels=tokens[:, 1:]).mean())
         engine.step()
     chunks = sorted(c.plan.padded * 4 for c in engine.chunks)
-    return chunks, [_resident_bytes(t) for t in engine.reducer.spare]
+    return chunks, [_resident_bytes(t) for t in engine.reducer.spare.free]
 
 
 def test_reduce_buffers_keep_the_pages_of_the_chunks_they_serve():

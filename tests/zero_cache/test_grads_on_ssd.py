@@ -61,7 +61,7 @@ def _train(rank, world_size, nvme, pipeline, host_budget):
     reducer = engine.reducer
     take, map_new = reducer._result_buffer, grad_reducer.empty_mapped
     reducer._result_buffer = lambda *a: results.__setitem__(0, results[0] + 1) or take(*a)
-    grad_reducer.empty_mapped = lambda n, *a: (n == reducer.result_numel and mapped.__setitem__(0, mapped[0] + 1)) \
+    grad_reducer.empty_mapped = lambda n, *a: (n == reducer.results.numel and mapped.__setitem__(0, mapped[0] + 1)) \
         or map_new(n, *a)
     xs, ys = _data()
     per_rank = GAS * MICRO
