@@ -8,9 +8,8 @@ activation checkpointing is a forward run *during* backward, so nothing is relea
 
 Prefetch: every step records the sequence of chunk requests (forward and backward, across all
 micro-batches). The next step replays it: serving request i also issues async all-gathers for the
-chunks at i+1, i+2, ... within ``stage3_prefetch_bucket_size`` elements (the next chunk alone when it is
-larger) and ``stage3_max_live_parameters`` gathered elements, so the next module's gather overlaps this
-module's compute. A request that does not
+chunks at i+1, i+2, ... within ``stage3_prefetch_bucket_size`` elements and ``stage3_max_live_parameters``
+gathered elements, so the next module's gather overlaps this module's compute. A request that does not
 match the trace turns prefetch off for the rest of the step and the step's record becomes the new trace.
 The first step has no record yet: its trace is predicted from the module order (modules in registration
 order forward, in reverse backward, once per micro-batch), which is the execution order of GPT-style models,
@@ -435,10 +434,8 @@ class ParamCoordinator:
     def _prefetch(self) -> None:
         if self.trace is None or not self.trace_ok or self.prefetch_numel <= 0:
             return
-        # A window holds at most prefetch_numel elements, counting chunks already fetched ahead, or its first
-        # chunk alone when that one is larger: the largest chunks (embedding, output layer) are still fetched
-        # under the compute before them.
-        ahead = 0
+        # The window ahead holds at most prefetch_numel elements, counting chunks already fetched ahead.
+        budget = self.prefetch_numel
         seen = set()
         gathering = True  # first window: gathers; second window: SSD reads only
         for i in range(self.pos, len(self.trace)):
@@ -447,11 +444,13 @@ class ParamCoordinator:
             if c in seen or self.users[c] > 0:
                 continue
             seen.add(c)
-            if ahead and ahead + chunk.plan.padded > self.prefetch_numel:
+            if chunk.plan.padded > budget:
                 if not gathering or not self.params_on_ssd:
                     return
-                gathering, ahead = False, 0
-            ahead += chunk.plan.padded
+                gathering, budget = False, self.prefetch_numel
+                if chunk.plan.padded > budget:
+                    return
+            budget -= chunk.plan.padded
             if chunk.gathered or c in self.inflight:
                 continue
             if not gathering:
@@ -459,7 +458,7 @@ class ParamCoordinator:
                     return  # staging reserve full: read the rest when gathers release buffers
             elif ((self.arena is None and self.live_numel + chunk.plan.padded > self.max_live)
                   or not self._issue(c, at=i)):
-                gathering, ahead = False, 0  # no room to gather: read ahead only
+                gathering, budget = False, self.prefetch_numel  # no room to gather: read ahead only
 
     def _reused_soon(self, c: int) -> bool:
         """True when the trace says ``c`` is requested again within ``stage3_max_reuse_distance`` elements."""

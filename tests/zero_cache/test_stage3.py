@@ -25,17 +25,9 @@ def _memory_and_prefetch(rank, world_size):
     train_engine(engine, batches(3), rank, world_size)
     out["report_trained"] = engine.memory_report()
 
-    out["linear_order"], out["prefetch_steps"] = _record_prefetch(rank, world_size)
-    # Every partitioned chunk (1024 elements) larger than the prefetch window.
-    out["small_window_steps"] = _record_prefetch(rank, world_size, stage3_prefetch_bucket_size=500)[1]
-    return out
-
-
-def _record_prefetch(rank, world_size, **zero):
-    """Collectives and Linear forward ends in one ordered log, for two steps; and the Linears' chunks."""
+    # Prefetch: record collectives and Linear forward ends in one ordered log, for two steps.
     model = make_model()
-    config = ds_config(3, world_size, is_communication_time_profiling=True, **zero)
-    engine = zero_cache.initialize(model=model, config=config)
+    engine = zero_cache.initialize(model=model, config=ds_config(3, world_size, is_communication_time_profiling=True))
     engine.register_external_parameter(model.head, model.embed.weight)
     order = []
     for name, m in model.named_modules():
@@ -47,7 +39,9 @@ def _record_prefetch(rank, world_size, **zero):
         train_engine(engine, batches(2), rank, world_size, steps=[s])
         steps.append([(e.op, e.tag) if isinstance(e, CommEvent) else e for e in engine.profiler.events])
         engine.profiler.events.clear()
-    return order, steps
+    out["linear_order"] = order
+    out["prefetch_steps"] = steps
+    return out
 
 
 def _activation_checkpointing(rank, world_size):
@@ -88,31 +82,20 @@ def test_memory_per_rank_is_16_bytes_per_param_over_n(stage3_results):
     assert 0 < trained.gathered_peak <= 4 * 4 * 1024 < partitioned_bytes
 
 
-def _overlapped(events, name, chunk):
-    """The first all-gather of ``chunk`` was issued before module ``name``'s first forward ended."""
-    return events.index(("all_gather", f"chunk{chunk}")) < events.index(("fwd_end", name))
-
-
 def test_prefetch_issues_next_gather_before_current_forward_ends(stage3_results):
     r = stage3_results[0]
     order = r["linear_order"]  # (module name, chunk) in execution order
     first_step, second_step = r["prefetch_steps"]
+
+    def overlapped(events, name, next_chunk):
+        issue = events.index(("all_gather", f"chunk{next_chunk}"))
+        return issue < events.index(("fwd_end", name))
+
     pairs = [(order[i][0], order[i + 1][1]) for i in range(len(order) - 1)]
     # First step: the trace predicted from the module order (nothing recorded yet) drives prefetch; second
     # step: the recorded order does. Either way every next gather is in flight during the current compute.
-    assert all(_overlapped(first_step, n, c) for n, c in pairs)
-    assert all(_overlapped(second_step, n, c) for n, c in pairs)
-
-
-def test_a_chunk_larger_than_the_prefetch_window_is_still_prefetched_alone(stage3_results):
-    """stage3_prefetch_bucket_size below every chunk's size: the window takes the next chunk alone, so its
-    gather still overlaps the current module, and the chunk after it waits for the next window."""
-    r = stage3_results[0]
-    order = r["linear_order"]
-    assert len(order) >= 3
-    for events in r["small_window_steps"]:
-        assert all(_overlapped(events, order[i][0], order[i + 1][1]) for i in range(len(order) - 1))
-        assert not any(_overlapped(events, order[i][0], order[i + 2][1]) for i in range(len(order) - 2))
+    assert all(overlapped(first_step, n, c) for n, c in pairs)
+    assert all(overlapped(second_step, n, c) for n, c in pairs)
 
 
 @pytest.mark.multiprocess
