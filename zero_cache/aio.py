@@ -87,11 +87,9 @@ class AlignedBuffer:
     """Page-aligned host memory (a private anonymous mmap) viewed as a uint8 tensor of ``capacity`` bytes.
 
     A buffer of a huge page or more asks for transparent huge pages (``MADV_HUGEPAGE``; the kernel's default
-    THP mode, ``madvise``, gives them only to regions that ask). Over 4 KiB pages an ``O_DIRECT`` request
-    covers as many pieces of physical memory as pages wherever they lie scattered, which they do once the
-    process has freed and reused memory: the block layer then splits a 1 MiB request (a virtio disk here
-    takes 254 segments), and the tier read about 45% and wrote about 30% fewer bytes per second
-    (benchmarks/RESULTS.md). A huge page is one 2 MiB segment, and one page fault instead of 512."""
+    THP mode, ``madvise``, gives them only to regions that ask): an ``O_DIRECT`` request over scattered 4 KiB
+    pages is split by the block layer, over a huge page it is one 2 MiB segment (docs/zero_cache/
+    tiers-and-ssd.md, "Huge pages for staging")."""
 
     def __init__(self, capacity: int):
         self.capacity = round_up(max(capacity, 1))
