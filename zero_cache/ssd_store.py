@@ -254,10 +254,6 @@ class SSDStore(DeviceHostStore):
         the parameter pool, if that pool has room (the next ``swap_in`` of the key is served from it)."""
         for key in keys:
             self._invalidate(key)
-        with self._lock:
-            for key, t in zip(keys, tensors):
-                self._holds[id(t)] = (key, self._version[key])  # what it holds once written
-        futures = [self.aio.submit(True, self._pages[k], self._buffers[id(t)][1]) for k, t in zip(keys, tensors)]
         kept = [t for k, t in zip(keys, tensors) if k in keep]
         rest = [t for k, t in zip(keys, tensors) if k not in keep]
 
@@ -271,8 +267,11 @@ class SSDStore(DeviceHostStore):
                 self.release([t], clean=moved and not failed)
             self.release(rest)
 
-        handle = SwapHandle(futures, None, on_wait=written)
-        with self._lock:
+        with self._lock:  # submitted and registered at once: a read on another thread sees the write or none
+            for key, t in zip(keys, tensors):
+                self._holds[id(t)] = (key, self._version[key])  # what it holds once written
+            futures = [self.aio.submit(True, self._pages[k], self._buffers[id(t)][1]) for k, t in zip(keys, tensors)]
+            handle = SwapHandle(futures, None, on_wait=written)
             for key in keys:
                 self._writing[key] = handle
         return handle
@@ -321,12 +320,15 @@ class SSDStore(DeviceHostStore):
             return list(dict.fromkeys(self._writing.values()))  # oldest first
 
     def _finish(self, handle: SwapHandle) -> float:
-        """Forget ``handle``'s keys and wait for it; the seconds blocked."""
-        with self._lock:
-            for key in [k for k, h in self._writing.items() if h is handle]:
-                del self._writing[key]
+        """Wait for ``handle``, then forget its keys (not before: until it has landed, a read of its shard on
+        another thread must still find it and wait); the seconds blocked."""
         t0 = time.perf_counter()
-        handle.wait()
+        try:
+            handle.wait()
+        finally:
+            with self._lock:
+                for key in [k for k, h in self._writing.items() if h is handle]:
+                    del self._writing[key]
         return time.perf_counter() - t0
 
     def _settle(self, keys) -> float:

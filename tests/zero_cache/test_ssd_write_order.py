@@ -85,6 +85,27 @@ def test_a_read_waits_for_the_write_in_flight_to_its_shard(tmp_path, monkeypatch
     store.close()
 
 
+def test_a_read_waits_for_a_write_another_thread_is_already_waiting_for(tmp_path, monkeypatch):
+    """One thread waits for a write (here synchronize_writes; in training the optimizer's update making room
+    in the staging pool) while another reads the shard: the write is still in flight for the reader, whose
+    read starts only once it has landed."""
+    store = _store(tmp_path)
+    store.allocate("c0.exp_avg", "optimizer", "nvme", N, torch.float32)
+    gate = Gate(monkeypatch, held={"c0.exp_avg"})
+    _write(store, "c0.exp_avg", 3.0)
+    syncer, _ = _in_thread(store.synchronize_writes)
+    syncer.join(0.3)  # now blocked inside the held write
+    reader, got = _in_thread(lambda: store.read("c0.exp_avg"))
+    reader.join(0.3)
+    assert syncer.is_alive() and reader.is_alive() and gate.log == [("read", "c0.exp_avg")]
+    gate.open()
+    reader.join(30)
+    syncer.join(30)
+    assert torch.equal(got[0], torch.full((N,), 3.0))
+    assert gate.log[1:] == [("write", "c0.exp_avg"), ("read", "c0.exp_avg")]
+    store.close()
+
+
 def test_reads_are_served_before_queued_writes(tmp_path, monkeypatch):
     store = _store(tmp_path, queue_depth=1)  # one I/O worker: the queue decides the order
     for key in ("a", "b", "c"):
