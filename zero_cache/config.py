@@ -268,6 +268,12 @@ class ZeroOptimizationConfig:
         "on a worker thread while i+1 updates; on SSD, i+1 is read while i updates and earlier ones are written "
         "back, the last writes finishing under the next forward (staging for 3 sub-groups, more read ahead from "
         "the backward on when the host budget allows). False: one sub-group at a time (staging for 1)."))
+    overlap_optimizer_step: bool = field(default=True, metadata=key(
+        "With pipeline_optimizer and sub-groups on SSD: the step returns once its update has started, and the "
+        "update runs on a thread of its own in chunk order, under the next forward, whose gather of each chunk "
+        "first waits for that chunk's update. The same result as waiting for it; no more memory. Not with "
+        "lock_free_update or speculative_update, nor with an accelerator (or the emulated one): there the host "
+        "lane runs the update inside the step."))
     prefetch_cache_sub_group_rate: float = field(default=0.0, metadata=key(
         "With offload_optimizer.device cpu or nvme: share of sub-groups (the first ceil(rate x count)) whose "
         "optimizer states stay and update on the device.", lo=0.0, hi=1.0))

@@ -45,7 +45,7 @@ running, or its backward has not produced all its gradients) is never evicted. T
 from __future__ import annotations
 
 import bisect
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -57,6 +57,16 @@ from .param_arena import ParamArena
 from .partition import FlatChunk
 from .store import DEVICE, ShardStore
 from .streams import HostStreams, Streams
+
+
+class UpdateGate(Protocol):
+    """An optimizer step still running under the forward (optimizer.py, overlapped step)."""
+
+    def updated(self, chunk: int) -> bool:
+        """Whether chunk ``chunk``'s parameter shard holds its update (True when no step runs)."""
+
+    def wait_updated(self, chunk: int) -> None:
+        """Block until it does."""
 
 
 def in_backward() -> bool:
@@ -89,6 +99,7 @@ class ParamCoordinator:
         self._releases: list = []  # (event, staging buffer): SSD buffers a copy still reads
         self._copies: dict[int, object] = {}  # chunk -> done event of the copy into its full buffer
         self.on_issue: Callable[[int], None] | None = None  # told before a chunk's shard is read
+        self.update_gate: UpdateGate | None = None  # no shard is read before its update (overlapped step)
         self.ssd_reads: dict[int, object] = {}  # chunk -> SwapHandle of its parameter shard being read
         self.staged: dict[int, torch.Tensor] = {}  # chunk -> shard buffer an in-flight gather reads
         self._serves: dict[int, int] = {}  # chunk -> trace position its gather in flight serves
@@ -198,6 +209,10 @@ class ParamCoordinator:
         staging buffers are then released."""
         if "param" not in self.chunks[c].swapped or c in self.ssd_reads or c in self.kept:
             return True
+        if self.update_gate is not None and not self.update_gate.updated(c):
+            if optional:
+                return False
+            self.update_gate.wait_updated(c)
         key = self.chunks[c].state_key("param")
         handle = self.store.swap_in([key], for_gather=True, optional=True)
         if handle is None and not optional:
@@ -213,6 +228,10 @@ class ParamCoordinator:
         """Start gathering chunk ``c``: a demand fetch, or a prefetch of trace position ``at``, which gives up
         (False) when the arena has no room for it."""
         chunk = self.chunks[c]
+        if self.update_gate is not None and not self.update_gate.updated(c):
+            if at is not None:
+                return False  # a prefetch does not wait for the optimizer step still updating the chunk
+            self.update_gate.wait_updated(c)
         if self.arena is None:
             chunk.allocate_full()
         elif not self._make_room(c, at):

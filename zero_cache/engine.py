@@ -154,6 +154,11 @@ class ZeroEngine:
         # Lock-free update: the optimizer step of step t runs here while step t+1 computes.
         self._update_thread = ThreadPoolExecutor(1, "zero_cache_update") if z.lock_free_update else None
         self._pending_update = None
+        # Overlapped step: the update runs under the next forward, each gather waiting for its chunk's update.
+        self._overlap = (z.overlap_optimizer_step and self._update_thread is None and self.speculation is None
+                         and self.optimizer.can_overlap())
+        if self._overlap and self.coordinator is not None:
+            self.coordinator.update_gate = self.optimizer
         if z.reuse_freed_host_memory:
             set_malloc_for_training()  # each micro-batch's tensors reuse the last one's memory
 
@@ -193,6 +198,7 @@ class ZeroEngine:
         """Queue one end-of-backward callback per autograd pass, however backward was started."""
         task = torch._C._current_graph_task_id()
         if task != self._callback_task:
+            self._join_step()  # the backward accumulates into the gradient shards the update reads
             self._callback_task = task
             # Gradients are final in the pass the step expects to be its last (statistics, speculation).
             self.reducer.final_pass = self._backward_passes + 1 >= self.gradient_accumulation_steps
@@ -210,6 +216,7 @@ class ZeroEngine:
     # ---- step -------------------------------------------------------------------------------------------
     def step(self, lr: float | None = None) -> StepResult:
         """Finish gradient reduction, check overflow, clip by the global norm, update the shards."""
+        self._join_step()
         if lr is not None:
             self.optimizer.lr = lr
         self.reducer.end_step()
@@ -229,7 +236,7 @@ class ZeroEngine:
                     else frozenset())
         if not overflow:
             if self._update_thread is None:
-                self.optimizer.step(grad_scale=scale / coef, skip=accepted)
+                self.optimizer.step(grad_scale=scale / coef, skip=accepted, background=self._overlap)
                 self.params_changed()
                 refreshes = 1
             else:
@@ -258,7 +265,7 @@ class ZeroEngine:
         self.last_copy_stats = self.streams.take_stats() if self.streams.separate else None
         self.last_speculation = self.speculation.take_stats() if self.speculation else None
         if self.global_steps % self.config.steps_per_print == 0 and not overflow:
-            swap = f"{self.optimizer.last_swap}; " if self.optimizer.last_swap is not None else ""
+            swap = f"{self.optimizer.last_swap}; " if self.optimizer.last_swap is not None and not self._overlap else ""
             copies = f"{self.last_copy_stats}; " if self.last_copy_stats is not None else ""
             spec = f"{self.last_speculation}; " if self.last_speculation is not None else ""
             logger.info("zero_cache step %d: %s%s%s%s", self.global_steps, swap, copies, spec, self.memory_report())
@@ -280,6 +287,9 @@ class ZeroEngine:
         self.optimizer.wait_write_back()  # the compute stream waits for the parameters copied to the device
         if self.coordinator is not None:
             self.coordinator.drop_gathered()
+        for c in self.chunks:  # an overlapped step updates them first (chunk order); partitioned ones are gated
+            if c.plan.resident:
+                self.optimizer.wait_updated(c.index)
         handles = [self.comm.all_gather(c.full, c.shard_of_full(), tag=f"chunk{c.index}", async_op=True)
                    for c in self.chunks if c.plan.resident]
         for h in handles:
@@ -319,13 +329,31 @@ class ZeroEngine:
         return self.last_copy_stats
 
     def swap_stats(self):
-        """SSD traffic and measured overlap of the last optimizer step (None without SSD-tier states)."""
+        """SSD traffic and measured overlap of the last optimizer step (None without SSD-tier states); an
+        overlapped step is finished first, and its blocked time is the time the forward waited for it."""
+        self.finish_update()
         return self.optimizer.last_swap
 
     def synchronize_writes(self) -> None:
-        """Wait for the SSD writes the last step left in flight (they otherwise finish under the next
-        forward, and any read of a shard waits for its own write); a failed write raises here."""
+        """Finish the last step's update and wait for the SSD writes it left in flight (they otherwise finish
+        under the next forward, and any read of a shard waits for its own write); a failed write raises here."""
+        self.finish_update()
         self.store.synchronize_writes()
+
+    def finish_update(self) -> None:
+        """Finish the last step's update wherever it still runs: an overlapped step is waited for (raising
+        its error), a pending lock-free update is published. Everything that reads or writes states calls it."""
+        self._join_step()
+        self.publish_update()
+
+    def _join_step(self) -> None:
+        """Wait for an overlapped step, then log its SSD traffic on a print step."""
+        if not self.optimizer.in_flight():
+            return
+        self.optimizer.finish()
+        if self.global_steps % self.config.steps_per_print == 0:
+            logger.info("zero_cache step %d, update under the next forward: %s", self.global_steps,
+                        self.optimizer.last_swap)
 
     @property
     def last_comm_stats(self) -> CommStepStats | None:
@@ -356,11 +384,13 @@ class ZeroEngine:
         """Elements [lo, hi) of this rank's shard of chunk ``chunk``: ``state`` is ``param`` (fp32 values, the
         optimizer's master copy), ``exp_avg`` or ``exp_avg_sq``. A view where the state is in memory (or a copy
         into ``out``); read from SSD into ``out`` (else a new host tensor) in aligned pieces, never whole."""
+        self.finish_update()
         return self._state(self.chunks[chunk], "master" if state == PARAM else state, lo, hi, out)
 
     def set_chunk_state(self, chunk: int, state: str, values: torch.Tensor, lo: int = 0) -> None:
         """Copy ``values`` into elements [lo, lo + values.numel()) of a state, in its tier (done on return);
         ``param`` also updates the compute copy (bf16/fp16, or the device copy of an offloaded master)."""
+        self.finish_update()
         c = self.chunks[chunk]
         if state != PARAM:
             self._set_state(c, state, values, lo)
@@ -385,17 +415,19 @@ class ZeroEngine:
 
     def close(self) -> None:
         """Release the store's files and threads (the SSD tier's swap directory is removed)."""
-        self.publish_update()
-        for c in self.chunks:
-            for s in c.plan.slots:
-                set_weight_grad_sink(s.param, None)
-        if self._update_thread is not None:
-            self._update_thread.shutdown(wait=True)
-        if self.lane is not None:
-            self.lane.close()
-        self.optimizer.close()
-        self.streams.close()
-        self.store.close()
+        try:
+            self.finish_update()
+        finally:
+            for c in self.chunks:
+                for s in c.plan.slots:
+                    set_weight_grad_sink(s.param, None)
+            if self._update_thread is not None:
+                self._update_thread.shutdown(wait=True)
+            if self.lane is not None:
+                self.lane.close()
+            self.optimizer.close()
+            self.streams.close()
+            self.store.close()
 
     def gather_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """Full fp32 state dict (CPU tensors) gathered one chunk at a time; empty on other ranks if rank0_only.
@@ -403,7 +435,7 @@ class ZeroEngine:
         The result holds the whole model on the receiving rank: for big models use the sharded checkpoint
         and ``python -m zero_cache.checkpoint.consolidate`` instead.
         """
-        self.publish_update()
+        self.finish_update()
         keep = not rank0_only or self.comm.rank == 0
         aliases = _param_aliases(self.module)
         out: dict[str, torch.Tensor] = {}
@@ -446,6 +478,7 @@ class ZeroEngine:
         return {n: t for n, t in persistent.items() if id(t) not in managed}
 
     def training_state(self) -> dict:
+        self.finish_update()
         steps = {float(c.step) for c in self.chunks}
         if len(steps) != 1:
             raise RuntimeError(f"zero_cache: the chunks disagree on Adam's step count ({sorted(steps)})")
@@ -493,9 +526,9 @@ class ZeroEngine:
         self.params_changed()
 
     def prepare_checkpoint(self) -> None:
-        """Before states are saved or loaded: a pending lock-free update is applied and SSD states read ahead
-        of a step are handed back (a load replaces them)."""
-        self.publish_update()
+        """Before states are saved or loaded: the last update is finished (``finish_update``) and SSD states
+        read ahead of a step are handed back (a load replaces them)."""
+        self.finish_update()
         self.optimizer.drop_read_ahead()
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None, *,

@@ -24,10 +24,21 @@ while the next forward runs, behind its reads (the store keeps each shard's read
 ``last_swap`` reports the step's optimizer I/O time (from its first read, which may start in the
 backward, to the step's end), the time the step was blocked on it, and their difference (the I/O hidden by
 compute).
+
+Overlapped step (``step(background=True)``, the engine's ``overlap_optimizer_step``): the walk runs on a
+thread of its own and ``step`` returns at once. Sub-groups are updated in chunk order, which is the order the
+next forward gathers them, so the forward runs behind the walk: ``wait_updated(c)`` blocks until chunk ``c``'s
+update is done and its parameter shard handed to the store (its SSD write queued, which the gather's read waits
+for). The result is the same as the synchronous step's; only the time the step was blocked moves into the
+forward. ``finish`` waits for the walk and raises its error, if any. Only without a host lane and where
+every write-back stays in host memory (``can_overlap``): with an accelerator, copies to the device are
+queued on its streams from the calling thread and ordered against the gathers by the compute stream.
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor, wait
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +107,13 @@ class ShardedAdam:
         self._after_compute: tuple = ()
         # Pipelined write-backs, for the whole run (both walks share it; its thread starts at the first one).
         self._write_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero_cache_wb") if pipeline else None
+        # Overlapped step: the walk's thread, the walk in flight, the chunks it has updated so far (guarded by
+        # _progress), and the seconds the caller has been blocked on it.
+        self._walker: ThreadPoolExecutor | None = None
+        self._running: Future | None = None
+        self._updated: set[int] = set()
+        self._progress = threading.Condition()
+        self._blocked = 0.0
 
     def _swap_keys(self, k: int) -> list[tuple[FlatChunk, str]]:
         return [(self.chunks[i], name) for i in self.sub_groups[k] for name in self.chunks[i].opt_swapped()]
@@ -137,8 +155,17 @@ class ShardedAdam:
             self.store.release(h.wait())
         self._early = {}
 
-    def step(self, grad_scale: float, delayed: bool = False, skip: frozenset[int] = frozenset()) -> None:
+    def can_overlap(self) -> bool:
+        """Whether ``step(background=True)`` is possible: pipelined, some sub-groups on SSD (their I/O is what
+        the next forward hides), no host lane, and no write-back crossing to a device."""
+        return self.pipeline and any(self.swapped) and self.lane is None and not any(self.crossing.values())
+
+    def step(self, grad_scale: float, delayed: bool = False, skip: frozenset[int] = frozenset(),
+             background: bool = False) -> None:
         """One update of every shard; gradients are divided by ``grad_scale`` inside the kernel.
+
+        ``background``: the walk runs on the optimizer's own thread and this returns at once (see the module
+        docstring: ``wait_updated``, ``finish``); needs ``can_overlap()``, no ``skip`` and not ``delayed``.
 
         ``delayed`` (lock-free update, run on a background thread): read ``grad_spare`` (no zeroing: the next
         step's first reductions overwrite it, see grad_reducer.py) and write the updated parameters to
@@ -153,6 +180,16 @@ class ShardedAdam:
         self._after_compute = (self.streams.compute_event(),)  # backward kernels may still read resident chunks
         todo = [k for k in range(len(self.sub_groups)) if k not in skip]
         reads, self._early = self._early, {}
+        if background:
+            if not self.can_overlap() or skip or delayed or self._running is not None:
+                raise RuntimeError("ShardedAdam.step(background=True) needs can_overlap(), no skip, not delayed, "
+                                   "and the last background step finished")
+            if self._walker is None:
+                self._walker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero_cache_step")
+            self._updated, self._blocked = set(), 0.0
+            self._running = self._walker.submit(self._walk, todo, grad_scale, False, reads, True)
+            self._running.add_done_callback(lambda _: self._notify())
+            return
         device = [k for k in todo if self.on_device[k]] if self.lane is not None and not delayed else []
         host = [k for k in todo if k not in device]
         if device and host:
@@ -169,12 +206,58 @@ class ShardedAdam:
             io, r, w = aio.busy_seconds_and_reset()
             self.last_swap = SwapStats(io, waited, r, w)
 
-    def _walk(self, ks: list[int], grad_scale: float, delayed: bool, reads: dict) -> float:
+    # ---- overlapped step -------------------------------------------------------------------------------
+    def _notify(self, chunks=()) -> None:
+        with self._progress:
+            self._updated.update(chunks)
+            self._progress.notify_all()
+
+    def updated(self, chunk: int) -> bool:
+        """True unless a background step is still to update ``chunk`` (or has failed before it)."""
+        run = self._running
+        return run is None or chunk in self._updated
+
+    def wait_updated(self, chunk: int) -> None:
+        """Block until the background step has updated ``chunk``; raises the step's error if it failed."""
+        run = self._running
+        if run is None or chunk in self._updated:
+            return
+        t0 = time.perf_counter()
+        with self._progress:
+            while chunk not in self._updated and not run.done():
+                self._progress.wait()
+        self._blocked += time.perf_counter() - t0
+        if chunk not in self._updated:
+            self.finish()  # raises the walk's error
+            raise RuntimeError(f"the optimizer step ended without updating chunk {chunk}")
+
+    def in_flight(self) -> bool:
+        """A background step is running, or has ended and nobody has called ``finish`` yet."""
+        return self._running is not None
+
+    def finish(self) -> None:
+        """Wait for the background step (no-op without one) and set ``last_swap``; raises the step's error."""
+        run = self._running
+        if run is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            wait([run])
+        finally:
+            self._blocked += time.perf_counter() - t0
+            self._running = None
+        run.result()
+        io, r, w = self.store.aio.busy_seconds_and_reset()
+        self.last_swap = SwapStats(io, self._blocked, r, w)
+
+    def _walk(self, ks: list[int], grad_scale: float, delayed: bool, reads: dict, mark: bool = False) -> float:
         """Update sub-groups ``ks`` in order (SSD ones pipelined); returns the seconds blocked on SSD.
 
         SSD write-backs are left in flight: the store orders each page file's I/O and takes staging buffers
         back from writes as later reads need them, so the step's last writes drain under the next forward.
-        With an unbounded staging pool the walk bounds them itself (one behind the update, or none)."""
+        With an unbounded staging pool the walk bounds them itself (one behind the update, or none).
+        ``mark``: a background step; each sub-group's chunks are announced (``wait_updated``) once its
+        parameter shards are final, and host write-backs run inline."""
         futures, writes = [], []
         waited = 0.0
         pool = getattr(self.store, "pool", None)  # the SSD tier's staging pool
@@ -230,10 +313,12 @@ class ShardedAdam:
                         w.wait()
                         waited += w.waited
                 elif todo:
-                    if self._write_pool is None or any(self.crossing[c.index] for c in todo):
+                    if self._write_pool is None or mark or any(self.crossing[c.index] for c in todo):
                         self._write_back(todo)  # copies to the device are asynchronous already
                     else:
                         futures.append(self._write_pool.submit(self._write_back, todo))
+                if mark:
+                    self._notify(sg)
             for f in futures:
                 f.result()
         except BaseException:
@@ -281,6 +366,9 @@ class ShardedAdam:
                     amsgrad=False, maximize=False, grad_scale=scale, found_inf=None)
 
     def close(self) -> None:
+        if self._walker is not None:
+            self._walker.shutdown(wait=True)
+            self._walker = None
         if self._write_pool is not None:
             self._write_pool.shutdown(wait=True)
             self._write_pool = None

@@ -427,6 +427,7 @@ def test_corrupted_state_during_training_stops_the_step(tmp_path):
         f.write(b"\xff" * 16)
     with pytest.raises(SSDTierError, match=f"'{victim}' is corrupted"):
         train_engine(engine, batches(2), 0, 1, steps=[1])
+        engine.finish_update()  # the update runs under the next forward: its error surfaces where it is needed
     assert engine.store.pool.in_use == 0  # no staging buffer is left in use or targeted by I/O
     engine.close()
 
@@ -534,9 +535,12 @@ def test_log_line_shows_tiers_and_overlap(tmp_path, caplog):
     engine = _engine(_nvme_config(1, str(tmp_path)) | {"steps_per_print": 1})
     with caplog.at_level(logging.INFO, logger="zero_cache.engine"):
         train_engine(engine, batches(2), 0, 1, steps=[0])
-    rep = engine.memory_report()
-    engine.close()
-    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("zero_cache step 1:")]
-    assert "SSD read" in line and "hidden" in line
+        rep = engine.memory_report()
+        engine.close()
+    lines = [r.getMessage() for r in caplog.records]
+    (line,) = [m for m in lines if m.startswith("zero_cache step 1:")]
+    # The update runs under the next forward (here: until close), so its SSD traffic has a line of its own.
+    (update,) = [m for m in lines if m.startswith("zero_cache step 1, update under the next forward:")]
+    assert "SSD read" in update and "hidden" in update
     nvme_mib = rep.by_kind_tier[("optimizer", "nvme")] / 2**20
     assert f"nvme={nvme_mib:.2f}MiB [optimizer={nvme_mib:.2f}]" in line
