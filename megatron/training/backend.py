@@ -104,6 +104,9 @@ class Backend(abc.ABC):
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's (tensor/pipeline-partitioned) weights as fp32 copies."""
 
+    def finish(self) -> None:  # noqa: B027 (only the zero_cache backend has an update left in flight)
+        """End of training: wait for any update still in flight, raising its error (nothing by default)."""
+
 
 def allreduce_shared_embedding_grad(model: torch.nn.Module) -> None:
     """Sum the gradients of the word-embedding copies held by the first and last pipeline stage."""

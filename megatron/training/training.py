@@ -175,6 +175,7 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
             break
     if ck.save and saved_at != iteration:
         checkpoints.save(iteration, consumed)
+    backend.finish()
     checkpoints.finish()
     exits.close()
     logger.close()

@@ -136,7 +136,7 @@ class ZeroBackend(Backend):
         return step_result(self.model.step(lr=lr))
 
     def checkpoint_states(self) -> StateSource:
-        self.model.prepare_checkpoint()  # a pending lock-free update lands; SSD read-ahead is handed back
+        self.model.prepare_checkpoint()  # the last update finishes; SSD read-ahead is handed back
         return self.model
 
     def checkpoint_layout(self) -> Layout:
@@ -176,6 +176,9 @@ class ZeroBackend(Backend):
     def memory_tiers(self) -> dict[str, float]:
         report = self.model.memory_report()
         return {f"{tier} states": float(n) for tier, n in report.by_tier.items()}
+
+    def finish(self) -> None:
+        self.model.finish_update()  # an update left to run under the next forward (states on SSD) ends here
 
     def comm_stats(self) -> zero_cache.comm.CommStepStats | None:
         """The last step's collectives on this rank's data-parallel group next to the ZeRO theory (None
