@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from ptm_launch.checkpoints import CheckpointTracker
 
 ANNOUNCE_AFTER_S = 1.5  # wait for the other nodes' reports before naming the cause
+# torchrun tails its ranks' output from files, so a rank's error line can reach us after torchrun's report of
+# its exit: a cause that exited without a stated error is given this long for its line before it is announced.
+CAUSE_LINE_WAIT_S = 10.0
 
 
 def signal_name(number: int) -> str:
@@ -47,10 +50,17 @@ class Failure:
         if self.exitcode < 0:
             if -self.exitcode in (signal.SIGTERM, signal.SIGINT):
                 return 0
-            return 2 if -self.exitcode == signal.SIGABRT else 5
+            if -self.exitcode == signal.SIGABRT:  # stated error first, then an abort in the teardown: as exit 1
+                return 3 if self.cause_line else 2
+            return 5
         if self.exitcode not in (0, 1):
             return 4
         return 3 if self.cause_line else 1
+
+    def may_state_cause(self) -> bool:
+        """A rank that can have printed its error: it exited, or aborted (possibly after an exception);
+        a rank killed by any other signal printed nothing about it."""
+        return not self.is_node and (self.exitcode >= 0 or -self.exitcode == signal.SIGABRT)
 
     def exit_status(self) -> int:
         return 128 - self.exitcode if self.exitcode < 0 else (self.exitcode if self.exitcode < 256 else 1)
@@ -138,6 +148,12 @@ class Restarts:
         if self.pending is not None:
             self.pending.failures.append(failure)
 
+    def replace(self, old: Failure, new: Failure) -> None:
+        """``old`` is now known better (its error line arrived late)."""
+        if self.pending is not None and old in self.pending.failures:
+            failures = self.pending.failures
+            failures[failures.index(old)] = new
+
     def rejoined(self, node_rank: int, nnodes: int, now: float) -> list[str]:
         """A node joined a new rendezvous round; once all have, the restart is done."""
         pending = self.pending
@@ -156,10 +172,15 @@ class Restarts:
     def messages(self, now: float, force: bool = False) -> list[str]:
         """The line announcing the pending restart, once its cause has had time to arrive."""
         pending = self.pending
-        if pending is None or pending.announced or (not force and now - pending.opened < ANNOUNCE_AFTER_S):
+        if pending is None or pending.announced:
             return []
-        pending.announced = True
         cause = cause_of(pending.failures)
+        if not force:
+            waited = now - pending.opened
+            unstated = cause is not None and cause.may_state_cause() and not cause.cause_line
+            if waited < ANNOUNCE_AFTER_S or (unstated and waited < CAUSE_LINE_WAIT_S):
+                return []
+        pending.announced = True
         what = cause.describe() if cause else "a rank failed"
         if cause is not None and cause.cause_line and not cause.is_node:
             what += f": {cause.cause_line}"

@@ -7,6 +7,7 @@ hosting the rendezvous store takes every node with it, so then all are started a
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import signal
@@ -199,6 +200,7 @@ class Supervisor:
                 continue  # a node started again since
             if isinstance(event, CauseLine):
                 node.cause_lines.append(event)
+                self._late_cause_line(node, event)
             elif isinstance(event, WorkerFailed):
                 failure = Failure(node.spec.node_rank, node.spec.host, event.time, event.exitcode, event.local_rank,
                                   node.global_rank(event.local_rank), self._cause_line(node, event))
@@ -221,13 +223,24 @@ class Supervisor:
 
     def _cause_line(self, node: _Node, event: WorkerFailed) -> str | None:
         """What the failed rank's node printed as the error in this round (that rank's own line if marked)."""
-        if event.exitcode < 0:  # killed: it printed nothing about it
+        if event.exitcode < 0 and -event.exitcode != signal.SIGABRT:  # killed: it printed nothing about it
             return None
         lines = [c for c in node.cause_lines if c.time >= self.restarts.round_start]
         rank = node.global_rank(event.local_rank)
         own = [c for c in lines if c.rank is not None and c.rank == rank]
-        chosen = own or [c for c in lines if c.rank is None] or lines
+        unprefixed = [c for c in lines if c.rank is None]
+        # An aborted rank may be a peer of the cause, ended by its collectives' threads: only its own line.
+        chosen = own or unprefixed or ([] if event.exitcode < 0 else lines)
         return chosen[0].text if chosen else None
+
+    def _late_cause_line(self, node: _Node, line: CauseLine) -> None:
+        """Give ``line`` to this round's failures of ``node`` that were reported before it arrived (its own
+        rank's, or any rank's when the line has no rank prefix)."""
+        for i, failure in enumerate(self.failures):
+            if (failure.node_rank == node.spec.node_rank and failure.may_state_cause() and failure.cause_line is None
+                    and failure.time >= self.restarts.round_start and line.rank in (None, failure.global_rank)):
+                self.failures[i] = dataclasses.replace(failure, cause_line=line.text)
+                self.restarts.replace(failure, self.failures[i])
 
     def _round_failures(self) -> list[Failure]:
         return [f for f in self.failures if f.time >= self.restarts.round_start]

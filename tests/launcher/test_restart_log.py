@@ -6,7 +6,10 @@ import signal
 import pytest
 
 from ptm_launch.checkpoints import CheckpointTracker, load_dir_of
-from ptm_launch.restarts import Failure, Restarts, cause_of
+from ptm_launch.commands import NodeSpec
+from ptm_launch.node_output import CauseLine, RestartRequested, WorkerFailed
+from ptm_launch.restarts import CAUSE_LINE_WAIT_S, Failure, Restarts, cause_of
+from ptm_launch.supervisor import Supervisor
 
 
 def _rank(t, exitcode, local_rank=0, rank=None, line=None, node=0, host="h0"):
@@ -25,6 +28,8 @@ def test_the_cause_beats_its_consequences_whatever_the_order():
     aborted = _rank(0.5, -signal.SIGABRT, 1, 4)  # gloo's thread ended it when its peer left
     assert cause_of([aborted, peer_lost, stated]) is stated
     assert cause_of([aborted, peer_lost]) is aborted
+    raised_then_aborted = _rank(3.5, -signal.SIGABRT, 1, 6, line="RuntimeError: x")  # aborted in its teardown
+    assert cause_of([aborted, peer_lost, raised_then_aborted]) is raised_then_aborted
     node = Failure(1, "h1", 5.0, 137)
     assert cause_of([killed, node]) is node
     assert cause_of([_rank(2.0, 1), _rank(1.0, 1, rank=7)]).global_rank == 7  # ties: the earliest
@@ -73,6 +78,40 @@ def test_a_quick_rejoin_announces_before_reporting_it():
     assert lines[0] == ("restart 1 of 1: rank 0 (h0, local rank 0) exited with code 2: pretrain_gpt.py: error: x; "
                         "restarting all ranks from its latest checkpoint; 0 restart(s) left")
     assert lines[1].startswith("restart 1: all 1 node(s) rejoined 0.4 s after")
+
+
+def test_a_cause_without_its_error_line_is_announced_once_the_line_arrives_or_after_a_while():
+    restarts = Restarts(2)
+    restarts.begin(0.0)
+    unstated = _rank(0.0, 1, 1, 1)
+    restarts.add(unstated)
+    assert restarts.messages(2.0) == []  # torchrun's report of the exit came before the rank's own error line
+    restarts.replace(unstated, _rank(0.0, 1, 1, 1, line="RuntimeError: late"))
+    (line,) = restarts.messages(2.1)
+    assert line.startswith("restart 1 of 2: rank 1 (h0, local rank 1) exited with code 1: RuntimeError: late;")
+    restarts.rejoined(0, 1, 3.0)
+    restarts.begin(10.0)
+    restarts.add(_rank(10.0, 1, 0, 0))  # a rank that says nothing: announced without a line in the end
+    assert restarts.messages(10.0 + CAUSE_LINE_WAIT_S - 0.1) == []
+    (line,) = restarts.messages(10.0 + CAUSE_LINE_WAIT_S)
+    assert line.startswith("restart 2 of 2: rank 0 (h0, local rank 0) exited with code 1; restarting")
+
+
+def test_an_error_line_that_arrives_after_its_ranks_exit_names_the_cause():
+    supervisor = Supervisor([], stop_timeout=1.0, restarts=Restarts(1))
+    node = supervisor._start(NodeSpec("localhost", 0, (0, 1), ("true",)))
+    node.global_ranks = (0, 1)
+    supervisor.nodes.append(node)
+    # rank 1 raised, then aborted in its teardown; rank 0 exited 1 with an error of its own
+    for event in (WorkerFailed(1, -signal.SIGABRT, 5.0), RestartRequested(False, 5.0), WorkerFailed(0, 1, 5.1),
+                  CauseLine("RuntimeError: injected", 1, 5.3), CauseLine("ValueError: another rank's", 0, 5.4)):
+        supervisor._events.put((node, event))
+    supervisor._handle_events()
+    node.finish_reading()
+    assert [f.cause_line for f in supervisor.failures] == ["RuntimeError: injected", "ValueError: another rank's"]
+    (line,) = supervisor.restarts.messages(7.0)
+    assert line.startswith("restart 1 of 1: rank 1 (localhost, local rank 1) was killed by SIGABRT: RuntimeError: "
+                           "injected;")
 
 
 def test_resume_point_from_the_scripts_load_dir(tmp_path):
