@@ -269,11 +269,11 @@ class ZeroOptimizationConfig:
         "back, the last writes finishing under the next forward (staging for 3 sub-groups, more read ahead from "
         "the backward on when the host budget allows). False: one sub-group at a time (staging for 1)."))
     overlap_optimizer_step: bool = field(default=True, metadata=key(
-        "With pipeline_optimizer and sub-groups on SSD: the step returns once its update has started, and the "
-        "update runs on a thread of its own in chunk order, under the next forward, whose gather of each chunk "
-        "first waits for that chunk's update. The same result as waiting for it; no more memory. Not with "
-        "lock_free_update or speculative_update, nor with an accelerator (or the emulated one): there the host "
-        "lane runs the update inside the step."))
+        "With pipeline_optimizer, and sub-groups on SSD or host sub-groups beside an accelerator (or the "
+        "emulated one): the step returns once its update has started, and the host's part of the update runs on "
+        "a thread of its own in chunk order, under the next forward, whose gather of each chunk first waits for "
+        "that chunk's update (and its copy to the device). The same result as waiting for it; no more memory. "
+        "Not with lock_free_update or speculative_update."))
     prefetch_cache_sub_group_rate: float = field(default=0.0, metadata=key(
         "With offload_optimizer.device cpu or nvme: share of sub-groups (the first ceil(rate x count)) whose "
         "optimizer states stay and update on the device.", lo=0.0, hi=1.0))

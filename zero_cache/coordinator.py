@@ -63,10 +63,12 @@ class UpdateGate(Protocol):
     """An optimizer step still running under the forward (optimizer.py, overlapped step)."""
 
     def updated(self, chunk: int) -> bool:
-        """Whether chunk ``chunk``'s parameter shard holds its update (True when no step runs)."""
+        """Whether chunk ``chunk``'s update is done, so that ``wait_updated`` would not block (True when no step
+        runs)."""
 
     def wait_updated(self, chunk: int) -> None:
-        """Block until it does."""
+        """Block until it is, then order the compute stream after the update's copy of the shard to the device
+        (if any). Called before every read of the shard."""
 
 
 def in_backward() -> bool:
@@ -209,8 +211,8 @@ class ParamCoordinator:
         staging buffers are then released."""
         if "param" not in self.chunks[c].swapped or c in self.ssd_reads or c in self.kept:
             return True
-        if self.update_gate is not None and not self.update_gate.updated(c):
-            if optional:
+        if self.update_gate is not None:
+            if optional and not self.update_gate.updated(c):
                 return False
             self.update_gate.wait_updated(c)
         key = self.chunks[c].state_key("param")
@@ -228,8 +230,8 @@ class ParamCoordinator:
         """Start gathering chunk ``c``: a demand fetch, or a prefetch of trace position ``at``, which gives up
         (False) when the arena has no room for it."""
         chunk = self.chunks[c]
-        if self.update_gate is not None and not self.update_gate.updated(c):
-            if at is not None:
+        if self.update_gate is not None:
+            if at is not None and not self.update_gate.updated(c):
                 return False  # a prefetch does not wait for the optimizer step still updating the chunk
             self.update_gate.wait_updated(c)
         if self.arena is None:

@@ -347,13 +347,14 @@ class ZeroEngine:
         self.publish_update()
 
     def _join_step(self) -> None:
-        """Wait for an overlapped step, then log its SSD traffic on a print step."""
+        """Wait for an overlapped step, then log its SSD traffic (or the time it held up training) on a print step."""
         if not self.optimizer.in_flight():
             return
         self.optimizer.finish()
         if self.global_steps % self.config.steps_per_print == 0:
-            logger.info("zero_cache step %d, update under the next forward: %s", self.global_steps,
-                        self.optimizer.last_swap)
+            opt = self.optimizer
+            what = opt.last_swap if any(opt.swapped) else f"blocked {opt.last_blocked * 1e3:.1f}ms"
+            logger.info("zero_cache step %d, update under the next forward: %s", self.global_steps, what)
 
     @property
     def last_comm_stats(self) -> CommStepStats | None:

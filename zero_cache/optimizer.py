@@ -25,14 +25,17 @@ while the next forward runs, behind its reads (the store keeps each shard's read
 backward, to the step's end), the time the step was blocked on it, and their difference (the I/O hidden by
 compute).
 
-Overlapped step (``step(background=True)``, the engine's ``overlap_optimizer_step``): the walk runs on a
-thread of its own and ``step`` returns at once. Sub-groups are updated in chunk order, which is the order the
-next forward gathers them, so the forward runs behind the walk: ``wait_updated(c)`` blocks until chunk ``c``'s
-update is done and its parameter shard handed to the store (its SSD write queued, which the gather's read waits
-for). The result is the same as the synchronous step's; only the time the step was blocked moves into the
-forward. ``finish`` waits for the walk and raises its error, if any. Only without a host lane and where
-every write-back stays in host memory (``can_overlap``): with an accelerator, copies to the device are
-queued on its streams from the calling thread and ordered against the gathers by the compute stream.
+Overlapped step (``step(background=True)``, the engine's ``overlap_optimizer_step``): the host's part of the
+update runs on a thread of its own and ``step`` returns once it has started. Sub-groups are updated in chunk
+order, which is the order the next forward gathers them, so the forward runs behind the walk:
+``wait_updated(c)`` blocks until chunk ``c``'s update is done and its parameter shard handed on (its SSD
+write queued, which the gather's read waits for; its copy to the device queued, which the compute stream
+is then made to wait for), and ``updated(c)`` says whether that would block. With a host lane the
+device sub-groups are updated by the calling thread first (their kernels queue on the compute stream ahead
+of the forward) and the host and SSD ones in the background. The result is the same as the synchronous
+step's; only the time the step was blocked moves into the forward. ``finish`` waits for the walk, makes the
+compute stream wait for the copies nobody waited for yet, and raises the walk's error, if any.
+``can_overlap``: there is something to hide (SSD I/O, or host updates beside an accelerator's compute).
 """
 from __future__ import annotations
 
@@ -112,8 +115,10 @@ class ShardedAdam:
         self._walker: ThreadPoolExecutor | None = None
         self._running: Future | None = None
         self._updated: set[int] = set()
+        self._landing: dict[int, object] = {}  # chunk -> its write-back copy's event, not yet waited for
         self._progress = threading.Condition()
         self._blocked = 0.0
+        self.last_blocked = 0.0  # seconds the last background step held up the caller
 
     def _swap_keys(self, k: int) -> list[tuple[FlatChunk, str]]:
         return [(self.chunks[i], name) for i in self.sub_groups[k] for name in self.chunks[i].opt_swapped()]
@@ -156,9 +161,11 @@ class ShardedAdam:
         self._early = {}
 
     def can_overlap(self) -> bool:
-        """Whether ``step(background=True)`` is possible: pipelined, some sub-groups on SSD (their I/O is what
-        the next forward hides), no host lane, and no write-back crossing to a device."""
-        return self.pipeline and any(self.swapped) and self.lane is None and not any(self.crossing.values())
+        """Whether ``step(background=True)`` is possible and worth it: pipelined, and some sub-groups on SSD
+        (their I/O is what the next forward hides) or updated on the host while a separate device computes.
+        Without an accelerator host updates would only take cores from the forward."""
+        host_beside_device = self.streams.separate and not all(self.on_device)
+        return self.pipeline and (any(self.swapped) or host_beside_device)
 
     def step(self, grad_scale: float, delayed: bool = False, skip: frozenset[int] = frozenset(),
              background: bool = False) -> None:
@@ -186,8 +193,13 @@ class ShardedAdam:
                                    "and the last background step finished")
             if self._walker is None:
                 self._walker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero_cache_step")
-            self._updated, self._blocked = set(), 0.0
-            self._running = self._walker.submit(self._walk, todo, grad_scale, False, reads, True)
+            device = [k for k in todo if self.on_device[k]] if self.lane is not None else []
+            self._walk(device, grad_scale, False, {})  # device kernels, queued ahead of the next forward's
+            self._updated, self._blocked = {i for k in device for i in self.sub_groups[k]}, 0.0
+            # Resident chunks first: the step all-gathers them before it returns (the others wait for the forward).
+            host = sorted((k for k in todo if k not in device),
+                          key=lambda k: not any(self.chunks[i].plan.resident for i in self.sub_groups[k]))
+            self._running = self._walker.submit(self._walk, host, grad_scale, False, reads, True)
             self._running.add_done_callback(lambda _: self._notify())
             return
         device = [k for k in todo if self.on_device[k]] if self.lane is not None and not delayed else []
@@ -218,18 +230,27 @@ class ShardedAdam:
         return run is None or chunk in self._updated
 
     def wait_updated(self, chunk: int) -> None:
-        """Block until the background step has updated ``chunk``; raises the step's error if it failed."""
+        """Block until the background step has updated ``chunk``, then order the compute stream after its copy
+        to the device, if any; raises the step's error if it failed. Called by the training thread."""
         run = self._running
-        if run is None or chunk in self._updated:
+        if run is None:
             return
-        t0 = time.perf_counter()
-        with self._progress:
-            while chunk not in self._updated and not run.done():
-                self._progress.wait()
-        self._blocked += time.perf_counter() - t0
         if chunk not in self._updated:
-            self.finish()  # raises the walk's error
-            raise RuntimeError(f"the optimizer step ended without updating chunk {chunk}")
+            t0 = time.perf_counter()
+            with self._progress:
+                while chunk not in self._updated and not run.done():
+                    self._progress.wait()
+            self._blocked += time.perf_counter() - t0
+            if chunk not in self._updated:
+                self.finish()  # raises the walk's error
+                raise RuntimeError(f"the optimizer step ended without updating chunk {chunk}")
+        self._hand_copy(chunk)
+
+    def _hand_copy(self, chunk: int) -> None:
+        with self._progress:
+            landing = self._landing.pop(chunk, None)
+        if landing is not None:
+            self.streams.wait(landing)
 
     def in_flight(self) -> bool:
         """A background step is running, or has ended and nobody has called ``finish`` yet."""
@@ -246,9 +267,13 @@ class ShardedAdam:
         finally:
             self._blocked += time.perf_counter() - t0
             self._running = None
+            for chunk in list(self._landing):
+                self._hand_copy(chunk)
+        self.last_blocked = self._blocked
         run.result()
-        io, r, w = self.store.aio.busy_seconds_and_reset()
-        self.last_swap = SwapStats(io, self._blocked, r, w)
+        if any(self.swapped):
+            io, r, w = self.store.aio.busy_seconds_and_reset()
+            self.last_swap = SwapStats(io, self._blocked, r, w)
 
     def _walk(self, ks: list[int], grad_scale: float, delayed: bool, reads: dict, mark: bool = False) -> float:
         """Update sub-groups ``ks`` in order (SSD ones pipelined); returns the seconds blocked on SSD.
@@ -257,7 +282,8 @@ class ShardedAdam:
         back from writes as later reads need them, so the step's last writes drain under the next forward.
         With an unbounded staging pool the walk bounds them itself (one behind the update, or none).
         ``mark``: a background step; each sub-group's chunks are announced (``wait_updated``) once its
-        parameter shards are final, and host write-backs run inline."""
+        parameter shards are final (a copy to the device: queued, its event kept per chunk), and host
+        write-backs run inline."""
         futures, writes = [], []
         waited = 0.0
         pool = getattr(self.store, "pool", None)  # the SSD tier's staging pool
@@ -295,7 +321,7 @@ class ShardedAdam:
                     for c in on_ssd:
                         self.store.put(c.state_key("param"), c.master)
                 if self.swapped[k]:
-                    self._write_back(todo)
+                    self._write_back(todo, mark)
                     for c in todo:  # the copy read the master's staging buffer before it goes back
                         self.streams.synchronize(self._reading.pop(c.index, DONE))
                     # Gradient shards on SSD are consumed, not written back (the next step overwrites them).
@@ -314,7 +340,7 @@ class ShardedAdam:
                         waited += w.waited
                 elif todo:
                     if self._write_pool is None or mark or any(self.crossing[c.index] for c in todo):
-                        self._write_back(todo)  # copies to the device are asynchronous already
+                        self._write_back(todo, mark)  # copies to the device are asynchronous already
                     else:
                         futures.append(self._write_pool.submit(self._write_back, todo))
                 if mark:
@@ -332,13 +358,18 @@ class ShardedAdam:
                     self.store.release(h.wait())
         return waited
 
-    def _write_back(self, chunks: list[FlatChunk]) -> None:
+    def _write_back(self, chunks: list[FlatChunk], background: bool = False) -> None:
         """fp32 master -> compute-dtype parameter shard; a shard on the device is reached by an asynchronous
-        copy, whose event ``wait_write_back`` hands to the compute stream."""
+        copy, whose event ``wait_write_back`` (``wait_updated`` for a ``background`` step) hands to the
+        compute stream."""
         for c in chunks:
             if self.crossing[c.index]:
                 copy = self.streams.h2d(c.param_shard, c.master, after=self._after_compute)
-                self._write_events.append(copy.done)
+                if background:
+                    with self._progress:
+                        self._landing[c.index] = copy.done
+                else:
+                    self._write_events.append(copy.done)
                 self._reading[c.index] = copy.source_free
             else:
                 c.param_shard.copy_(c.master)

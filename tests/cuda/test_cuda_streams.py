@@ -1,7 +1,8 @@
 """The real-stream copy path (zero_cache/streams.py CudaStreams), skipped without a GPU: copies on the two copy
 streams ordered by events, pinned double-buffered staging of pageable memory, and the engine with host
 offload (pageable and pinned shards, rates 0 and 0.5 with the heterogeneous step, the speculative host
-update) against the fp32 reference on the same GPU."""
+update) against the fp32 reference on the same GPU, and bf16 with the update under the next forward against
+the step that waits for it."""
 from __future__ import annotations
 
 import pytest
@@ -92,3 +93,30 @@ def test_host_offload_on_streams_matches_fp32_reference(reference, rate, pinned,
     assert_close_losses(losses, ref_losses)
     assert_close_weights(weights, ref_weights, atol=WEIGHT_TOL, rtol=WEIGHT_TOL)
     assert stats.d2h_bytes == 4 * GAS * host_grads and stats.h2d_bytes > 0
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_bf16_update_under_the_next_forward_equals_the_waiting_step(offload, tmp_path):
+    """bf16 parameter shards on the GPU, fp32 masters and Adam states in host memory or on SSD: the update
+    under the next forward (overlap_optimizer_step) copies each shard back on the copy stream while the forward
+    runs, and each gather waits for its chunk's copy. Bit-identical to the step that waits for its update."""
+    runs = {}
+    for overlap in (False, True):
+        where = {"device": offload, "nvme_path": str(tmp_path / f"overlap{overlap}")}
+        cfg = ds_config(3, 1, sub_group_size=600, overlap_optimizer_step=overlap, offload_optimizer=where)
+        model = make_device_model(CUDA)
+        engine = zero_cache.initialize(model=model, config=cfg | {"bf16": {"enabled": True}})
+        engine.register_external_parameter(model.head, model.embed.weight)
+        assert all(engine.optimizer.crossing.values())  # every write-back is a copy to the GPU
+        data = batches(STEPS).to(CUDA)
+        losses, running = [], []
+        for s in range(STEPS):
+            losses += train_engine(engine, data, 0, 1, steps=[s])
+            running.append(engine.optimizer.in_flight())
+        weights = engine.gather_state_dict()
+        engine.close()
+        runs[overlap] = losses, weights, running
+    assert runs[False][2] == [False] * STEPS and runs[True][2] == [True] * STEPS
+    assert runs[True][0] == runs[False][0]
+    for name, w in runs[False][1].items():
+        assert torch.equal(runs[True][1][name], w), name

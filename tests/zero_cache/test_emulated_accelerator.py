@@ -3,9 +3,11 @@ streams, at a bandwidth and with random delays, checked against the single-proce
 
 DP=2 with offload cpu and nvme at prefetch_cache_sub_group_rate 0, 0.5 and 1 (the heterogeneous optimizer:
 device sub-groups on the training thread, host and SSD ones on the host lane), pinned host shards, and the
-speculative host update: per-step losses within 1e-5 over 10 steps and the final weights. Then the harness
-is shown to catch races: removing one wait (the all-gather's wait for its shard's copy, or the host lane's
-wait for a gradient's copy) gives wrong numbers. Also: the emulator's own semantics, the config rule, and the
+speculative host update: per-step losses within 1e-5 over 10 steps and the final weights. The host's
+update runs under the next forward (overlap_optimizer_step) except where a case turns that off. Then the
+harness is shown to catch races: removing one wait (the all-gather's wait for its shard's copy, the host
+lane's wait for a gradient's copy, or the compute stream's wait for a bf16 parameter shard the overlapped
+update copied to the device) gives wrong numbers. Also: the emulator's own semantics, the config rule, and the
 per-step copy report in the log line."""
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from zero_cache.comm import Comm
 from zero_cache.config import EmulatedAcceleratorConfig, ZeroConfigError, parse_config
 from zero_cache.emulator import EmulatedStreams
 from zero_cache.grad_reducer import GradReducer
+from zero_cache.optimizer import ShardedAdam
 from zero_cache.streams import DONE, make_streams
 
 DP = 2
@@ -42,7 +45,11 @@ SUB_GROUP = 600  # shard elements per sub-group: 6 sub-groups per rank at DP=2
 # (name, optimizer/parameter offload device, prefetch_cache_sub_group_rate, extra zero_optimization keys)
 CASES = [("cpu-rate0", "cpu", 0.0, {}), ("cpu-rate0.5", "cpu", 0.5, {}), ("cpu-rate1", "cpu", 1.0, {}),
          ("nvme-rate0", "nvme", 0.0, {}), ("nvme-rate0.5", "nvme", 0.5, {}), ("nvme-rate1", "nvme", 1.0, {}),
-         ("cpu-pinned-speculative", "cpu", 0.0, {"speculative_update": True})]
+         ("cpu-pinned-speculative", "cpu", 0.0, {"speculative_update": True}),
+         ("cpu-rate0.5-waiting", "cpu", 0.5, {"overlap_optimizer_step": False}),
+         ("nvme-rate0.5-waiting", "nvme", 0.5, {"overlap_optimizer_step": False})]
+# Cases whose update does not run under the next forward: every sub-group on the device, speculation, or off.
+WAITING = {"cpu-rate1", "nvme-rate1", "cpu-pinned-speculative", "cpu-rate0.5-waiting", "nvme-rate0.5-waiting"}
 
 
 def _config(world_size: int, offload: str, rate: float, nvme: str = "", emulator=None, **extra) -> dict:
@@ -62,9 +69,10 @@ def _engine(config):
 
 
 def _train(engine, rank: int, world_size: int, steps: int = STEPS):
-    """Losses, and each step's copy and speculation reports."""
+    """Losses, each step's copy and speculation reports, and whether each step returned with its update still
+    running."""
     data = batches(steps)
-    losses, copies, speculation = [], [], []
+    losses, copies, speculation, running = [], [], [], []
     for s in range(steps):
         micro = []
         for mb in rank_micro_batches(data[s], rank, world_size):
@@ -72,21 +80,23 @@ def _train(engine, rank: int, world_size: int, steps: int = STEPS):
             micro.append(loss.item())
             engine.backward(loss)
         engine.step()
+        running.append(engine.optimizer.in_flight())
         losses.append(sum(micro) / len(micro))
         copies.append(engine.copy_stats())
         speculation.append(engine.last_speculation)
-    return losses, copies, speculation
+    return losses, copies, speculation, running
 
 
 def _run_cases(rank, world_size, nvme):
     out = {}
     for name, offload, rate, extra in CASES:
         engine = _engine(_config(world_size, offload, rate, nvme, **extra))
-        losses, copies, spec = _train(engine, rank, world_size)
+        losses, copies, spec, running = _train(engine, rank, world_size)
         host_grads = [c.plan.shard for c in engine.chunks if engine.reducer.to_host[c.index]]
         held = [engine.chunks[c].plan.shard for c in engine.reducer.keep if engine.reducer.to_host[c]]
         out[name] = {"losses": losses, "weights": to_numpy(engine.gather_state_dict()), "copies": copies,
-                     "speculation": spec, "host_grad_elems": sum(host_grads), "held_grad_elems": sum(held),
+                     "speculation": spec, "running": running, "host_grad_elems": sum(host_grads),
+                     "held_grad_elems": sum(held),
                      "device_sub_groups": sum(engine.optimizer.on_device), "sub_groups": len(engine.sub_groups),
                      "lane": engine.lane is not None, "report": engine.memory_report(),
                      "reserved_staging": engine.store.copy_staging}
@@ -118,6 +128,7 @@ def test_matches_reference_with_emulated_copies(results, reference, case):
     rate = next(c[2] for c in CASES if c[0] == case)
     for r in results:
         res = r[case]
+        assert res["running"] == [case not in WAITING] * STEPS
         # The first ceil(rate x sub-groups) sub-groups update on the device, beside the host lane.
         assert res["device_sub_groups"] == -(-int(2 * rate * res["sub_groups"]) // 2)
         for stats in res["copies"]:
@@ -177,6 +188,33 @@ def test_gradient_read_before_its_copy_lands_gives_wrong_numbers(monkeypatch):
     monkeypatch.setattr(GradReducer, "_land", no_wait)
     with pytest.raises(AssertionError):
         assert_close_losses(_single_process_losses(), reference_run(steps=2)[0])
+
+
+def test_update_under_the_forward_copies_bf16_shards_to_the_device_and_the_forward_waits_for_them(monkeypatch):
+    """bf16 parameter shards on the device, fp32 masters in host memory: the update under the next forward
+    copies each shard back to the device, and the compute stream waits for that copy before the shard's gather.
+    Bit-identical to the waiting step; without that wait the forward reads shards still in flight."""
+    # Copies to the device slow enough that most are still in flight when the forward gathers their chunks.
+    slow = {**EMULATOR, "h2d_gbps": 4e-5, "random_delay_ms": 0.0}
+
+    def run(overlap: bool) -> tuple[list[float], dict, list[bool]]:
+        cfg = _config(1, "cpu", 0.0, emulator=slow, offload_param={"device": "none"},
+                      overlap_optimizer_step=overlap) | {"bf16": {"enabled": True}}
+        engine = _engine(cfg)
+        try:
+            assert all(engine.optimizer.crossing.values())  # every write-back is a copy to the device
+            losses, _, _, running = _train(engine, 0, 1, steps=3)
+            return losses, engine.gather_state_dict(), running
+        finally:
+            engine.close()
+
+    waiting, overlapped = run(False), run(True)
+    assert waiting[2] == [False] * 3 and overlapped[2] == [True] * 3
+    assert overlapped[0] == waiting[0]
+    for name, w in waiting[1].items():
+        assert torch.equal(overlapped[1][name], w), name
+    monkeypatch.setattr(ShardedAdam, "_hand_copy", lambda self, chunk: self._landing.pop(chunk, None))
+    assert run(True)[0] != waiting[0]  # a gather read a shard still in flight (the emulator's NaN)
 
 
 # ---- the emulator itself, the config, the report ---------------------------------------------------------

@@ -45,7 +45,7 @@ def _hold_last_sub_group(engine) -> tuple[threading.Event, list[int]]:
     wait_updated = engine.optimizer.wait_updated
 
     def gate(chunk):
-        if chunk in last:
+        if chunk in last and not engine.optimizer.updated(chunk):  # about to wait for the held update
             release.set()
         wait_updated(chunk)
 
