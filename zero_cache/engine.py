@@ -287,7 +287,7 @@ class ZeroEngine:
         self.optimizer.wait_write_back()  # the compute stream waits for the parameters copied to the device
         if self.coordinator is not None:
             self.coordinator.drop_gathered()
-        for c in self.chunks:  # an overlapped step updates them first (chunk order); partitioned ones are gated
+        for c in self.chunks:  # an overlapped step updates these first; partitioned ones are gated
             if c.plan.resident:
                 self.optimizer.wait_updated(c.index)
         handles = [self.comm.all_gather(c.full, c.shard_of_full(), tag=f"chunk{c.index}", async_op=True)
