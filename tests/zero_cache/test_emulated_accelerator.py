@@ -8,10 +8,11 @@ update runs under the next forward (overlap_optimizer_step) except where a case 
 harness is shown to catch races: removing one wait (the all-gather's wait for its shard's copy, the host
 lane's wait for a gradient's copy, or the compute stream's wait for a bf16 parameter shard the overlapped
 update copied to the device) gives wrong numbers. Also: the emulator's own semantics, the config rule, and the
-per-step copy report in the log line."""
+per-step copy report in the log line, and the line of the host's update under the next forward."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -285,3 +286,13 @@ def test_log_line_shows_copy_time_issued_and_blocked(caplog):
     assert stats.copies > 0 and stats.issued_seconds > 0
     assert f"issued {stats.issued_seconds * 1e3:.1f}ms, blocked compute {stats.blocked_seconds * 1e3:.1f}ms" in line
     assert "hidden" in line and f"D2H {stats.d2h_bytes / 2**20:.2f}MiB" in line
+
+
+def test_log_line_of_the_host_update_under_the_next_forward(caplog):
+    engine = _engine(_config(1, "cpu", 0.0) | {"steps_per_print": 1})
+    with caplog.at_level(logging.INFO, logger="zero_cache.engine"):
+        _train(engine, 0, 1, steps=2)  # step 1's update ends under step 2's forward, and is logged then
+        engine.close()
+    lines = [r.getMessage() for r in caplog.records if "update under the next forward" in r.getMessage()]
+    assert len(lines) == 2  # step 2's is finished by close()
+    assert re.fullmatch(r"zero_cache step 1, update under the next forward: blocked \d+\.\dms", lines[0])
