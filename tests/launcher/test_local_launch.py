@@ -39,8 +39,9 @@ def test_failing_rank_fails_the_job_with_its_error():
     # ChildFailedError traceback and summary are kept out, and the last line names the cause
     assert out.count("RuntimeError: injected failure on rank 1 at step 1") == 1, out
     assert "Connection closed by peer" not in out and "ChildFailedError" not in out and "Root Cause" not in out
+    # rank 0 is counted if it printed its lost connection before torchrun stopped it
     assert re.fullmatch(r"ptm-launch: job failed: rank 1 \(localhost, local rank 1\) (exited with code 1|was killed "
-                        r"by SIGABRT) \(its error is above; 1 other rank\(s\) stopped because of it\)",
+                        r"by SIGABRT) \(its error is above(; 1 other rank\(s\) stopped because of it)?\)",
                         out.rstrip().splitlines()[-1]), out
     assert "step 1 loss" in out and "step 2 loss" not in out
 

@@ -71,8 +71,9 @@ def test_restarts_that_run_out_fail_the_job_with_the_last_cause():
     assert out.count("allreduce: 3.0") == 2  # ran twice
     assert out.count("[rank1]: RuntimeError: injected failure on rank 1 at step 1") == 2
     assert "Connection closed by peer" not in out and "ChildFailedError" not in out
-    assert re.fullmatch(f"ptm-launch: job failed: {ended} " + r"\(its error is above; 1 other rank\(s\) stopped "
-                        r"because of it; 1 of 1 restart\(s\) used\)", out.rstrip().splitlines()[-1]), out
+    # Rank 0 is counted if it printed its lost connection before torchrun stopped it.
+    assert re.fullmatch(f"ptm-launch: job failed: {ended} " + r"\(its error is above; (1 other rank\(s\) stopped "
+                        r"because of it; )?1 of 1 restart\(s\) used\)", out.rstrip().splitlines()[-1]), out
 
 
 def test_a_killed_torchrun_is_started_again():
