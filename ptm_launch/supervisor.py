@@ -200,10 +200,15 @@ class Supervisor:
                 continue  # a node started again since
             if isinstance(event, CauseLine):
                 node.cause_lines.append(event)
-                self._late_cause_line(node, event)
+                for i, failure in enumerate(self.failures):  # reported before its line arrived
+                    if failure.node_rank == node.spec.node_rank and failure.time >= self.restarts.round_start:
+                        stated = self._stated(node, failure)
+                        if stated is not failure:
+                            self.failures[i] = stated
+                            self.restarts.replace(failure, stated)
             elif isinstance(event, WorkerFailed):
-                failure = Failure(node.spec.node_rank, node.spec.host, event.time, event.exitcode, event.local_rank,
-                                  node.global_rank(event.local_rank), self._cause_line(node, event))
+                failure = self._stated(node, Failure(node.spec.node_rank, node.spec.host, event.time, event.exitcode,
+                                                     event.local_rank, node.global_rank(event.local_rank)))
                 self.failures.append(failure)
                 self.restarts.add(failure)
                 if event.exitcode == EXIT_BAD_INPUT and self.restarts.budget and self._bad_input is None:
@@ -221,26 +226,18 @@ class Supervisor:
                 for line in self.restarts.rejoined(node.spec.node_rank, len(self.nodes), event.time):
                     self._say(line)
 
-    def _cause_line(self, node: _Node, event: WorkerFailed) -> str | None:
-        """What the failed rank's node printed as the error in this round (that rank's own line if marked)."""
-        if event.exitcode < 0 and -event.exitcode != signal.SIGABRT:  # killed: it printed nothing about it
-            return None
+    def _stated(self, node: _Node, failure: Failure) -> Failure:
+        """``failure`` with the error line its node printed in this round, if one has arrived: its rank's own
+        line, else one without a rank prefix, else (its global rank unknown, and not aborted: an aborted rank
+        may be a peer of the cause, ended by its collectives' threads) any. The failure itself if none."""
+        if failure.cause_line is not None or not failure.may_state_cause():
+            return failure
         lines = [c for c in node.cause_lines if c.time >= self.restarts.round_start]
-        rank = node.global_rank(event.local_rank)
-        own = [c for c in lines if c.rank is not None and c.rank == rank]
+        own = [c for c in lines if c.rank is not None and c.rank == failure.global_rank]
         unprefixed = [c for c in lines if c.rank is None]
-        # An aborted rank may be a peer of the cause, ended by its collectives' threads: only its own line.
-        chosen = own or unprefixed or ([] if event.exitcode < 0 else lines)
-        return chosen[0].text if chosen else None
-
-    def _late_cause_line(self, node: _Node, line: CauseLine) -> None:
-        """Give ``line`` to this round's failures of ``node`` that were reported before it arrived (its own
-        rank's, or any rank's when the line has no rank prefix)."""
-        for i, failure in enumerate(self.failures):
-            if (failure.node_rank == node.spec.node_rank and failure.may_state_cause() and failure.cause_line is None
-                    and failure.time >= self.restarts.round_start and line.rank in (None, failure.global_rank)):
-                self.failures[i] = dataclasses.replace(failure, cause_line=line.text)
-                self.restarts.replace(failure, self.failures[i])
+        anyone = lines if failure.global_rank is None and failure.exitcode >= 0 else []
+        chosen = own or unprefixed or anyone
+        return dataclasses.replace(failure, cause_line=chosen[0].text) if chosen else failure
 
     def _round_failures(self) -> list[Failure]:
         return [f for f in self.failures if f.time >= self.restarts.round_start]
