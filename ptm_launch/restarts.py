@@ -35,6 +35,9 @@ class Failure:
     local_rank: int | None = None
     global_rank: int | None = None
     cause_line: str | None = None  # what that node printed as the error (a rank's failure only)
+    # The rank printed its error but torchrun reported another rank's exit and stopped this one: known only
+    # from its line (its exit code is not known; counted as 1).
+    unreported: bool = False
 
     @property
     def is_node(self) -> bool:
@@ -70,6 +73,8 @@ class Failure:
             return f"node {self.node_rank} ({self.host}) {node_exit(self.exitcode)}"
         rank = f"rank {self.global_rank}" if self.global_rank is not None else f"local rank {self.local_rank}"
         where = f"{self.host}, local rank {self.local_rank}" if self.global_rank is not None else self.host
+        if self.unreported:
+            return f"{rank} ({where}) failed (torchrun stopped it before its exit)"
         if self.exitcode < 0:
             return f"{rank} ({where}) was killed by {signal_name(-self.exitcode)}"
         return f"{rank} ({where}) exited with code {self.exitcode}"

@@ -206,11 +206,20 @@ class Supervisor:
                         if stated is not failure:
                             self.failures[i] = stated
                             self.restarts.replace(failure, stated)
+                self._add_unreported(node)
             elif isinstance(event, WorkerFailed):
                 failure = self._stated(node, Failure(node.spec.node_rank, node.spec.host, event.time, event.exitcode,
                                                      event.local_rank, node.global_rank(event.local_rank)))
-                self.failures.append(failure)
-                self.restarts.add(failure)
+                start = self.restarts.round_start
+                known = next((i for i, f in enumerate(self.failures) if f.unreported and f.time >= start
+                              and f.global_rank is not None and f.global_rank == failure.global_rank), None)
+                if known is not None:  # its exit came after all: the reported failure takes its place
+                    self.failures[known], old = failure, self.failures[known]
+                    self.restarts.replace(old, failure)
+                else:
+                    self.failures.append(failure)
+                    self.restarts.add(failure)
+                self._add_unreported(node)
                 if event.exitcode == EXIT_BAD_INPUT and self.restarts.budget and self._bad_input is None:
                     self._bad_input = node
                     self.restarts.cancel()
@@ -238,6 +247,23 @@ class Supervisor:
         anyone = lines if failure.global_rank is None and failure.exitcode >= 0 else []
         chosen = own or unprefixed or anyone
         return dataclasses.replace(failure, cause_line=chosen[0].text) if chosen else failure
+
+    def _add_unreported(self, node: _Node) -> None:
+        """Once a rank of ``node`` has failed in this round, a rank of it that printed its error line but whose
+        exit torchrun did not report (torchrun reports the first exits it sees and stops the other ranks, and a
+        peer aborted by its collectives' threads can be first) is a failure too: its line makes it the cause."""
+        mine = [f for f in self._round_failures() if f.node_rank == node.spec.node_rank]
+        if not mine:
+            return
+        known = {f.global_rank for f in mine}
+        for line in node.cause_lines:
+            if line.time < self.restarts.round_start or line.rank in known or line.rank not in node.global_ranks:
+                continue
+            known.add(line.rank)
+            failure = Failure(node.spec.node_rank, node.spec.host, line.time, 1, node.global_ranks.index(line.rank),
+                              line.rank, line.text, unreported=True)
+            self.failures.append(failure)
+            self.restarts.add(failure)
 
     def _round_failures(self) -> list[Failure]:
         return [f for f in self.failures if f.time >= self.restarts.round_start]

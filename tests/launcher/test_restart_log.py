@@ -114,6 +114,31 @@ def test_an_error_line_that_arrives_after_its_ranks_exit_names_the_cause():
                            "injected;")
 
 
+def test_a_rank_that_printed_its_error_is_the_cause_when_torchrun_reports_only_its_aborted_peer():
+    supervisor = Supervisor([], stop_timeout=1.0, restarts=Restarts(1))
+    node = supervisor._start(NodeSpec("localhost", 0, (0, 1), ("true",)))
+    node.global_ranks = (0, 1)
+    supervisor.nodes.append(node)
+    # rank 1 raised; gloo's thread aborted rank 0 first, and torchrun reported only rank 0 and stopped rank 1
+    for event in (CauseLine("RuntimeError: injected", 1, 5.0), WorkerFailed(0, -signal.SIGABRT, 5.2),
+                  RestartRequested(False, 5.2)):
+        supervisor._events.put((node, event))
+    supervisor._handle_events()
+    node.finish_reading()
+    (line,) = supervisor.restarts.messages(7.0)
+    assert line.startswith("restart 1 of 1: rank 1 (localhost, local rank 1) failed (torchrun stopped it before its "
+                           "exit): RuntimeError: injected;")
+    cause = cause_of(supervisor._round_failures())
+    assert cause.global_rank == 1 and cause.exit_status() == 1
+    # Its exit reported after all: that report replaces the failure known from the line alone.
+    supervisor._events.put((node, WorkerFailed(1, 1, 5.3)))
+    supervisor._handle_events()
+    assert [(f.global_rank, f.exitcode, f.unreported, f.cause_line) for f in supervisor.failures] == [
+        (0, -signal.SIGABRT, False, None), (1, 1, False, "RuntimeError: injected")]
+    cause = cause_of(supervisor.restarts.pending.failures)
+    assert cause.describe() == "rank 1 (localhost, local rank 1) exited with code 1"
+
+
 def test_resume_point_from_the_scripts_load_dir(tmp_path):
     assert load_dir_of(["--save", "a", "--load", "ckpt", "--lr", "1"]) == "ckpt"
     assert load_dir_of(["--load=x", "--load", "y"]) == "y" and load_dir_of(["--load"]) is None
