@@ -200,22 +200,19 @@ class Supervisor:
                 continue  # a node started again since
             if isinstance(event, CauseLine):
                 node.cause_lines.append(event)
-                for i, failure in enumerate(self.failures):  # reported before its line arrived
-                    if failure.node_rank == node.spec.node_rank and failure.time >= self.restarts.round_start:
+                for failure in self._round_failures():  # reported before its line arrived
+                    if failure.node_rank == node.spec.node_rank:
                         stated = self._stated(node, failure)
                         if stated is not failure:
-                            self.failures[i] = stated
-                            self.restarts.replace(failure, stated)
+                            self._replace(failure, stated)
                 self._add_unreported(node)
             elif isinstance(event, WorkerFailed):
                 failure = self._stated(node, Failure(node.spec.node_rank, node.spec.host, event.time, event.exitcode,
                                                      event.local_rank, node.global_rank(event.local_rank)))
-                start = self.restarts.round_start
-                known = next((i for i, f in enumerate(self.failures) if f.unreported and f.time >= start
-                              and f.global_rank is not None and f.global_rank == failure.global_rank), None)
-                if known is not None:  # its exit came after all: the reported failure takes its place
-                    self.failures[known], old = failure, self.failures[known]
-                    self.restarts.replace(old, failure)
+                from_line = next((f for f in self._round_failures()
+                                  if f.unreported and f.global_rank == failure.global_rank), None)
+                if from_line is not None:  # its exit came after all: the report takes the place of its line
+                    self._replace(from_line, failure)
                 else:
                     self.failures.append(failure)
                     self.restarts.add(failure)
@@ -264,6 +261,10 @@ class Supervisor:
                               line.rank, line.text, unreported=True)
             self.failures.append(failure)
             self.restarts.add(failure)
+
+    def _replace(self, old: Failure, new: Failure) -> None:
+        self.failures[self.failures.index(old)] = new
+        self.restarts.replace(old, new)
 
     def _round_failures(self) -> list[Failure]:
         return [f for f in self.failures if f.time >= self.restarts.round_start]
