@@ -78,6 +78,17 @@ class LiveLauncher:
                 continue
         return ranks
 
+    def torchruns(self) -> list[psutil.Process]:
+        """The torchrun processes under this launcher (on this machine)."""
+        found = []
+        for proc in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                if proc.cmdline()[1:4] == ["-u", "-m", "torch.distributed.run"]:
+                    found.append(proc)
+            except psutil.Error:  # exited while listed
+                continue
+        return found
+
     def finish(self, timeout: float) -> int:
         """Wait for the launcher to exit; fail (and kill it) if it takes longer than ``timeout``."""
         try:

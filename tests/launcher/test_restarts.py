@@ -79,11 +79,11 @@ def test_restarts_that_run_out_fail_the_job_with_the_last_cause():
 
 
 def test_a_killed_torchrun_is_started_again():
-    live = LiveLauncher("--num_gpus", "2", "--max_restarts", "1", STANDIN, "--steps", "6", "--sleep", "0.3",
+    # 1 s a step: the workers are still running when the test, on a loaded machine, finds and kills torchrun.
+    live = LiveLauncher("--num_gpus", "2", "--max_restarts", "1", STANDIN, "--steps", "6", "--sleep", "1",
                         env=CPU_ONLY)
     live.wait_for("step 1 loss", timeout=120)
-    (torchrun,) = [p for p in psutil.Process(live.proc.pid).children(recursive=True)
-                   if p.cmdline()[1:4] == ["-u", "-m", "torch.distributed.run"]]
+    (torchrun,) = live.torchruns()
     workers = list(live.workers().values())
     torchrun.kill()
     assert live.finish(timeout=240) == 0, live.output

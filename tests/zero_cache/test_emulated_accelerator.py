@@ -259,7 +259,8 @@ def test_emulated_copy_is_nan_until_it_lands_and_streams_keep_order():
 
 
 def test_staging_pool_is_bounded_and_reuses_a_buffer_only_after_its_copy():
-    streams = EmulatedStreams(EmulatedAcceleratorConfig(enabled=True, h2d_gbps=1e-4, d2h_gbps=1.0))
+    # 1 KiB at 1e4 B/s: each copy in flight for 100 ms, so the second and third find the first still running.
+    streams = EmulatedStreams(EmulatedAcceleratorConfig(enabled=True, h2d_gbps=1e-5, d2h_gbps=1.0))
     streams.configure_staging(1024, 0)
     try:
         dsts = [torch.zeros(256) for _ in range(3)]

@@ -27,11 +27,13 @@ class Gate:
     def __init__(self, monkeypatch, held=(), fail=()):
         self.held, self.fail = set(held), set(fail)
         self.event = threading.Event()
+        self.entered = threading.Event()  # a held write has reached the gate
         self.log: list[tuple[str, str]] = []
         write, read = aio.PageFile.write, aio.PageFile.read
 
         def gated_write(page, buf, block, pool=None):
             if page.key in self.held:
+                self.entered.set()
                 assert self.event.wait(30), "the test never opened the gate"
             self.log.append(("write", page.key))
             if page.key in self.fail:
@@ -112,8 +114,11 @@ def test_reads_are_served_before_queued_writes(tmp_path, monkeypatch):
         store.allocate(key, "optimizer", "nvme", N, torch.float32)
         store.put(key, torch.full((N,), float(ord(key))))
     gate = Gate(monkeypatch, held={"a"})
-    _write(store, "a", 1.0)  # the worker is now held inside a's write
-    _write(store, "b", 2.0)  # queued behind it
+    (b,) = store.swap_in(["b"]).wait()  # read now: only its write is to queue behind a's
+    _write(store, "a", 1.0)
+    assert gate.entered.wait(30)  # the worker is held inside a's write
+    b.fill_(2.0)
+    store.swap_out(["b"], [b])  # queued behind it
     read_c = store.swap_in(["c"])  # queued last, served first
     gate.open()
     (c,) = read_c.wait()
@@ -167,11 +172,12 @@ def test_busy_time_counts_running_jobs_once_and_bytes_when_submitted(tmp_path, m
     engine.busy_seconds_and_reset()
     gate = Gate(monkeypatch, held={"a"})
     _write(store, "a", 1.0)
+    assert gate.entered.wait(30)  # the write is running (its busy time started before it reached the gate)
     time.sleep(0.2)
     first_reset = time.perf_counter()
     busy, read, written = engine.busy_seconds_and_reset()  # the write is still running
     page_bytes = aio.HEADER_BYTES + aio.round_up(4 * N)
-    assert busy >= 0.15 and read == written == page_bytes
+    assert busy >= 0.2 and read == written == page_bytes
     gate.open()
     store.synchronize_writes()
     busy, read, written = engine.busy_seconds_and_reset()
