@@ -18,6 +18,11 @@ STANDIN = "tests/launcher/standin_train.py"
 _STEP_RE = re.compile(r"step (\d+) loss (\S+)")
 
 
+def is_torchrun(argv: list[str]) -> bool:
+    """Whether ``argv`` is a torchrun that ptm-launch started (``python -u -m torch.distributed.run ...``)."""
+    return argv[1:4] == ["-u", "-m", "torch.distributed.run"]
+
+
 def launcher_argv(*args: str, netns: str | None = None) -> list[str]:
     argv = [sys.executable, "-m", "ptm_launch", *args]
     return ["ip", "netns", "exec", netns, *argv] if netns else argv
@@ -66,28 +71,25 @@ class LiveLauncher:
             assert index is not None, f"{text!r} did not appear within {timeout}s; output:\n{self.output}"
             return index
 
-    def workers(self) -> dict[int, int]:
-        """{global rank: pid} of the training processes under this launcher (on this machine)."""
-        ranks = {}
-        for proc in psutil.Process(self.proc.pid).children(recursive=True):
-            try:
-                rank = proc.environ().get("RANK")
-                if rank is not None and "torch.distributed.run" not in proc.cmdline():
-                    ranks[int(rank)] = proc.pid
-            except psutil.Error:
-                continue
-        return ranks
-
-    def torchruns(self) -> list[psutil.Process]:
-        """The torchrun processes under this launcher (on this machine)."""
+    def _processes(self) -> list[tuple[psutil.Process, dict[str, str], list[str]]]:
+        """(process, environment, argv) of each process under this launcher (on this machine); one that exits
+        while listed is left out."""
         found = []
         for proc in psutil.Process(self.proc.pid).children(recursive=True):
             try:
-                if proc.cmdline()[1:4] == ["-u", "-m", "torch.distributed.run"]:
-                    found.append(proc)
-            except psutil.Error:  # exited while listed
+                found.append((proc, proc.environ(), proc.cmdline()))
+            except psutil.Error:
                 continue
         return found
+
+    def workers(self) -> dict[int, int]:
+        """{global rank: pid} of the training processes under this launcher (on this machine)."""
+        return {int(env["RANK"]): proc.pid for proc, env, argv in self._processes()
+                if "RANK" in env and "torch.distributed.run" not in argv}
+
+    def torchruns(self) -> list[psutil.Process]:
+        """The torchrun processes under this launcher (on this machine)."""
+        return [proc for proc, _, argv in self._processes() if is_torchrun(argv)]
 
     def finish(self, timeout: float) -> int:
         """Wait for the launcher to exit; fail (and kill it) if it takes longer than ``timeout``."""

@@ -21,6 +21,7 @@ from tests.launcher.launch_utils import (
     STANDIN,
     LiveLauncher,
     gpt_losses_by_iteration,
+    is_torchrun,
     run_launcher,
     standin_report,
 )
@@ -143,8 +144,7 @@ def test_node_whose_torchrun_dies_fails_the_job(hosts):
                         netns=hosts.namespaces[0], env=GLOO_ENV)
     live.wait_for("step 1 loss", timeout=120)
     second = hosts.namespaces[1]
-    (torchrun,) = [pid for pid in hosts.job_pids(second)
-                   if _cmdline(pid).split()[1:4] == ["-u", "-m", "torch.distributed.run"]]
+    (torchrun,) = [pid for pid in hosts.job_pids(second) if is_torchrun(_cmdline(pid).split())]
     os.kill(torchrun, signal.SIGKILL)
     assert live.finish(timeout=90) == 128 + signal.SIGKILL, live.output
     out = live.output
@@ -185,7 +185,7 @@ def _restart_args(ckpt: Path) -> list[str]:
 
 
 def _torchrun_pid(hosts: Hosts, namespace: str) -> int:
-    (pid,) = [p for p in hosts.job_pids(namespace) if _cmdline(p).split()[1:4] == ["-u", "-m", "torch.distributed.run"]]
+    (pid,) = [p for p in hosts.job_pids(namespace) if is_torchrun(_cmdline(p).split())]
     return pid
 
 

@@ -253,7 +253,8 @@ def test_emulated_copy_is_nan_until_it_lands_and_streams_keep_order():
             time.sleep(0.001)
         slow.wait(landing)
         assert saw_nan and torch.equal(out, torch.ones(256))
-        assert slow.take_stats().blocked_seconds > 0  # the wait is metered
+        stats = slow.take_stats()
+        assert stats.copies == 1 and stats.h2d_bytes == 1024 and stats.blocked_seconds > 0  # the wait is metered
     finally:
         slow.close()
 
