@@ -1,10 +1,10 @@
 """Gradient reduction driven by autograd hooks, so it works however backward is invoked.
 
 Each managed parameter has a post-accumulate-grad hook. It moves the gradient into its chunk's flat
-buffer and drops ``param.grad``. A layer that computes its own weight gradient hands the two factors to the
-parameter's sink instead (weight_grad.py): the product lands in the buffer with no gradient tensor in between,
-and the hook, which autograd still calls (with ``param.grad`` None unless other uses of the parameter produced
-one), counts the parameter as done. Two accumulation modes (docs/zero_cache/design.md):
+buffer and drops ``param.grad``. A layer that computes its own weight gradient hands the parameter's sink a
+writer instead (weight_grad.py): the gradient lands in the buffer with no tensor in between, and the hook,
+which autograd still calls (with ``param.grad`` None unless other uses of the parameter produced one), counts
+the parameter as done. Two accumulation modes (docs/zero_cache/design.md):
 
 - ``shard`` (stages 2 and 3, DeepSpeed's way): when every parameter of a chunk has its gradient for the
   current backward pass, the chunk buffer (compute dtype) is reduce-scattered asynchronously and the
@@ -57,7 +57,7 @@ from .host_memory import empty_mapped
 from .partition import FlatChunk, ParamSlot
 from .store import DEVICE, ShardStore
 from .streams import HostStreams, Streams
-from .weight_grad import add_product
+from .weight_grad import GradWriter, WeightGradSink
 
 NormRanges = Sequence[tuple[int, int]] | None  # shard ranges counted in the global norm (None: all)
 
@@ -164,13 +164,14 @@ class GradReducer:
         if out.device.type == "cpu":
             self.results.give(out)
 
-    def weight_grad_sink(self, c: int, slot: ParamSlot) -> Callable[[torch.Tensor, torch.Tensor], None]:
-        """The sink of ``slot``'s parameter (weight_grad.py): its gradient is ``grad_output^T @ input``.
+    def weight_grad_sink(self, c: int, slot: ParamSlot) -> WeightGradSink:
+        """The sink of ``slot``'s parameter (weight_grad.py): the layer's writer puts the gradient in the slot's
+        region of the chunk's buffer.
 
         It refers to the reducer weakly, so that the sink table does not keep the model alive (the parameter's
         own gradient hook keeps the reducer alive as long as the parameter)."""
         reducer = weakref.ref(self)
-        return lambda grad_output, inputs: reducer()._on_product(c, slot, grad_output, inputs)
+        return lambda write: reducer()._on_writer(c, slot, write)
 
     def _region(self, c: int, slot: ParamSlot) -> tuple[torch.Tensor, bool]:
         """The slot's region of chunk ``c``'s buffer, and whether the value arriving now overwrites it (the slot's
@@ -182,11 +183,11 @@ class GradReducer:
             written.add(slot.offset)
         return region, first
 
-    def _on_product(self, c: int, slot: ParamSlot, grad_output: torch.Tensor, inputs: torch.Tensor) -> None:
-        """Add ``grad_output^T @ inputs`` into the slot's region; the parameter's hook comes after every product."""
+    def _on_writer(self, c: int, slot: ParamSlot, write: GradWriter) -> None:
+        """Write the layer's gradient into the slot's region; the parameter's hook comes after every writer."""
         self.on_backward_activity()
         region, first = self._region(c, slot)
-        add_product(region.view(slot.shape), grad_output, inputs, overwrite=first)
+        write(region.view(slot.shape), first)
 
     def _on_grad(self, c: int, slot: ParamSlot, param: nn.Parameter) -> None:
         """Autograd's hook, once per pass after all of the parameter's gradient (None when it all went to the sink)."""

@@ -37,8 +37,8 @@ class TransformerConfig:
     recompute_method: str = "uniform"  # uniform | block
     recompute_num_layers: int = 1  # layers per recompute chunk (uniform) or recomputed layers per stage (block)
     seed: int = 1234  # weights are initialised from (seed, parameter name)
-    # Linear layers add their weight gradient into the gradient buffer (DDP's main_grad or the ZeRO engine's)
-    # themselves: autograd allocates no gradient tensor per matrix.
+    # Linear and embedding layers add their weight gradient into the gradient buffer (DDP's main_grad or the ZeRO
+    # engine's) themselves: autograd allocates no gradient tensor per matrix or embedding table.
     gradient_accumulation_fusion: bool = True
 
     def __post_init__(self):

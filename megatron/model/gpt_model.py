@@ -25,6 +25,7 @@ from megatron.core.tensor_parallel.layers import initialize_partitioned_weight
 from megatron.core.transformer_config import TransformerConfig
 from megatron.model.rotary import rotary_cos_sin
 from megatron.model.transformer import TransformerBlock, build_norm
+from zero_cache.weight_grad import embedding
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -37,6 +38,7 @@ class PositionEmbedding(nn.Module):
         super().__init__()
         shape = (config.max_position_embeddings, config.hidden_size)
         self.weight = nn.Parameter(torch.empty(shape))
+        self.fuse = config.gradient_accumulation_fusion
         init = config.init_method("embedding.position_embeddings.weight")
 
         def make() -> torch.Tensor:
@@ -47,7 +49,7 @@ class PositionEmbedding(nn.Module):
         init_or_defer(self.weight, make)
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(position_ids, self.weight)
+        return embedding(position_ids, self.weight, fuse=self.fuse)
 
 
 def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
@@ -62,7 +64,8 @@ class Embedding(nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
         self.word_embeddings = VocabParallelEmbedding(config.padded_vocab_size, config.hidden_size,
-                                                      init_method=config.init_method(WORD_EMBEDDING))
+                                                      init_method=config.init_method(WORD_EMBEDDING),
+                                                      gradient_accumulation_fusion=config.gradient_accumulation_fusion)
         self.learned_positions = config.position_embedding_type == "learned_absolute"
         if self.learned_positions:
             self.position_embeddings = PositionEmbedding(config)

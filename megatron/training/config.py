@@ -57,7 +57,7 @@ class ModelConfig:
     recompute_method: str = "uniform"  # uniform | block
     recompute_num_layers: int = 1  # layers per recompute chunk (uniform) or recomputed layers per stage (block)
     seed: int = 1234  # weights are initialised from (seed, parameter name)
-    gradient_accumulation_fusion: bool = True  # linear layers add weight gradients into the gradient buffers
+    gradient_accumulation_fusion: bool = True  # linear/embedding layers add weight gradients into the buffers
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by"):

@@ -89,7 +89,7 @@ def _fused_and_plain_under_engine(rank, world, kw):
         model = _model(gradient_accumulation_fusion=fusion, **kw).train()
         autograd_grads = {}  # hooks registered before the engine's see param.grad as autograd left it
         for name, p in model.named_parameters():
-            if name.endswith("weight") and p.dim() == 2 and "embedding" not in name:
+            if name.endswith("weight") and p.dim() == 2:
                 p.register_post_accumulate_grad_hook(
                     lambda p, n=name, seen=autograd_grads: seen.update({n: p.grad is not None}))
         config = {"train_batch_size": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
@@ -106,9 +106,10 @@ def _fused_and_plain_under_engine(rank, world, kw):
 
 @pytest.mark.parametrize("kw", [{}, {"untie_embeddings_and_output_weights": True, "swiglu": True}],
                          ids=["tied", "untied"])
-def test_linear_weight_gradients_go_to_the_engine(kw):
-    """Under the ZeRO engine every linear weight's gradient is written by the layer into the engine's buffer
-    (autograd produces none), with the losses, gradient norm and updated weights of autograd's way."""
+def test_linear_and_embedding_weight_gradients_go_to_the_engine(kw):
+    """Under the ZeRO engine every linear and embedding weight's gradient is written by the layer into the
+    engine's buffer (autograd produces none), with the losses, gradient norm and updated weights of autograd's
+    way."""
     out = run_distributed(_fused_and_plain_under_engine, 1, kw)[0]
     (loss, norm, fused_grads, weights), (ref_loss, ref_norm, plain_grads, ref_weights) = out[True], out[False]
     assert fused_grads and not any(fused_grads.values()), fused_grads

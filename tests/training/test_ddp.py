@@ -12,7 +12,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from tests.dist_utils import run_distributed
-from tests.zero_cache.common import FusedLinear
+from tests.zero_cache.common import FusedEmbedding, FusedLinear
 
 VOCAB, HIDDEN = 16, 8
 
@@ -254,25 +254,28 @@ def test_bf16_grads_accumulate_in_fp32_main_grad():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_linear_layers_add_their_weight_gradients_into_main_grad(dtype):
+def test_fused_layers_add_their_weight_gradients_into_main_grad(dtype):
     torch.manual_seed(0)
-    plain = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).to(dtype)
-    fused = nn.Sequential(FusedLinear(4, 8), nn.Tanh(), FusedLinear(8, 2)).to(dtype)
+    plain = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).to(dtype)
+    fused = nn.Sequential(FusedEmbedding(5, 4), FusedLinear(4, 8), nn.Tanh(), FusedLinear(8, 2)).to(dtype)
     fused.load_state_dict(plain.state_dict())
     from_autograd = []  # registered before DDP's hooks: param.grad as autograd left it
-    for layer in (fused[0], fused[2]):
+    for layer in (fused[0], fused[1], fused[3]):
         layer.weight.register_post_accumulate_grad_hook(lambda p: from_autograd.append(p.grad is not None))
     ddps = [DistributedDataParallel(m, None) for m in (plain, fused)]
-    x = torch.randn(2, 6, 4).to(dtype)
+    x = torch.randint(0, 5, (2, 6), generator=torch.Generator().manual_seed(1))  # repeated ids
     for ddp in ddps:
         with ddp.no_sync():
             ddp(x[:, :3]).float().square().mean().backward()
         ddp(x[:, 3:]).float().square().mean().backward()
         ddp.finish_grad_sync()
-    for p, q in zip(fused.parameters(), plain.parameters()):
-        torch.testing.assert_close(p.main_grad, q.main_grad, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(fused.named_parameters(), plain.parameters()):
+        # A 16-bit embedding's rows are summed in main_grad's fp32 when fused, in bf16 by autograd: closer than
+        # bf16's resolution, not equal.
+        tol = 1e-2 if dtype == torch.bfloat16 and name == "0.weight" else 1e-5
+        torch.testing.assert_close(p.main_grad, q.main_grad, rtol=tol, atol=tol / 10)
     if dtype == torch.bfloat16:  # fp32 weights' .grad is main_grad itself either way
-        assert from_autograd == [False] * 4
+        assert from_autograd == [False] * 6
 
 
 def test_wrapper_is_transparent():

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from zero_cache.weight_grad import linear
+from zero_cache.weight_grad import embedding, linear
 
 VOCAB, HIDDEN, SEQ, LAYERS = 64, 16, 8, 2
 GLOBAL_BATCH, GAS, STEPS = 8, 2, 10
@@ -20,6 +20,13 @@ class FusedLinear(nn.Linear):
 
     def forward(self, x):
         return linear(x, self.weight, self.bias)
+
+
+class FusedEmbedding(nn.Embedding):
+    """nn.Embedding whose weight gradient goes to the engine's sink (zero_cache/weight_grad.py)."""
+
+    def forward(self, ids):
+        return embedding(ids, self.weight)
 
 
 class Block(nn.Module):
@@ -52,7 +59,7 @@ class TiedHead(nn.Module):
 class TinyGPT(nn.Module):
     def __init__(self, activation_checkpointing: bool = False, fused: bool = False):
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.embed = (FusedEmbedding if fused else nn.Embedding)(VOCAB, HIDDEN)
         self.blocks = nn.ModuleList(Block(fused) for _ in range(LAYERS))
         self.ln_f = nn.LayerNorm(HIDDEN)
         self.head = TiedHead()

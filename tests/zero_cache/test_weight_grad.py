@@ -27,7 +27,7 @@ from tests.zero_cache.common import (
     to_numpy,
     train_engine,
 )
-from zero_cache.weight_grad import linear, set_weight_grad_sink, weight_grad_sink
+from zero_cache.weight_grad import embedding, linear, set_weight_grad_sink, weight_grad_sink
 
 DP = 2
 
@@ -46,10 +46,17 @@ def test_linear_hands_the_weight_gradient_to_the_sink(bias):
         b.grad = None
 
     received = []
-    set_weight_grad_sink(weight, lambda g, inp: received.append(g.t() @ inp))
+
+    def sink(write):
+        buffer = torch.full_like(weight, float("nan"))  # overwritten: its old values must not matter
+        write(buffer, True)
+        write(buffer, False)  # and added to
+        received.append(buffer)
+
+    set_weight_grad_sink(weight, sink)
     linear(x, weight, b).backward(upstream)
     assert weight.grad is None and len(received) == 1  # autograd made no weight gradient: the sink got it
-    torch.testing.assert_close(received[0], want[1])
+    torch.testing.assert_close(received[0], 2 * want[1])
     torch.testing.assert_close(x.grad, want[0])
     if bias:
         torch.testing.assert_close(b.grad, want[2])
@@ -62,6 +69,40 @@ def test_linear_hands_the_weight_gradient_to_the_sink(bias):
     assert len(received) == 1
     set_weight_grad_sink(weight, None)
     assert weight_grad_sink(weight) is None
+
+
+def test_embedding_hands_the_weight_gradient_to_the_sink():
+    torch.manual_seed(0)
+    weight = nn.Parameter(torch.randn(10, 6))
+    ids = torch.tensor([[1, 3, 3, 9], [0, 3, 1, 1]])  # repeated ids: their rows' gradients are summed
+    upstream = torch.randn(2, 4, 6)
+    F.embedding(ids, weight).backward(upstream)
+    want = weight.grad.clone()
+    weight.grad = None
+
+    buffer = torch.full_like(weight, float("nan"))  # stale values: the first write overwrites every row
+    writes = []
+
+    def sink(write):
+        writes.append(len(writes) == 0)
+        write(buffer, writes[-1])
+
+    set_weight_grad_sink(weight, sink)
+    out = embedding(ids, weight)
+    assert torch.equal(out, F.embedding(ids, weight))
+    out.backward(upstream)
+    assert weight.grad is None and writes == [True]
+    assert torch.equal(buffer, want)  # the same sums in the same order as autograd's embedding backward
+    embedding(ids, weight).backward(upstream)  # a second micro-batch adds
+    assert writes == [True, False]
+    torch.testing.assert_close(buffer, 2 * want)
+
+    embedding(ids, weight, fuse=False).backward(upstream)  # a layer that does not own the weight
+    torch.testing.assert_close(weight.grad, want)
+    with torch.no_grad():
+        embedding(ids, weight)
+    assert len(writes) == 2
+    set_weight_grad_sink(weight, None)
 
 
 def _train_fused(rank, world_size, config):

@@ -4,9 +4,10 @@ Every trainable parameter gets ``param.main_grad``, a view into one flat buffer.
 When a parameter's dtype equals the buffer's (fp32 training), ``param.grad`` *is*
 that view, so autograd accumulates straight into the buffer and no second
 gradient copy exists. 16-bit parameters get their gradient added into the fp32
-buffer by a post-accumulate hook, which then frees ``param.grad``. Linear layers
-with gradient-accumulation fusion add their weight gradient into ``main_grad``
-themselves (zero_cache/weight_grad.py): autograd allocates none for them.
+buffer by a post-accumulate hook, which then frees ``param.grad``. Linear and
+embedding layers with gradient-accumulation fusion add their weight gradient
+into ``main_grad`` themselves (zero_cache/weight_grad.py): autograd allocates
+none for them.
 
 The buffer is laid out in reverse parameter order (roughly the order backward
 produces gradients) and cut into buckets of about ``bucket_size`` elements. On
@@ -17,14 +18,13 @@ the rest of backward; ``finish_grad_sync()`` waits for all of them.
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_cache.weight_grad import add_product, set_weight_grad_sink
+from zero_cache.weight_grad import add_into, set_weight_grad_sink
 
 
 class GradBucket:
@@ -104,7 +104,7 @@ class DistributedDataParallel(nn.Module):
             if p.dtype == self.grad_buffer.dtype:
                 p.grad = p.main_grad  # autograd accumulates into the buffer in place: no second copy
             # The sink holds main_grad, not the parameter, so that the sink table does not keep it alive.
-            set_weight_grad_sink(p, functools.partial(add_product, p.main_grad))
+            set_weight_grad_sink(p, add_into(p.main_grad))
             members.append(p)
             offset += p.numel()
             if offset - start >= bucket_size:

@@ -5,15 +5,14 @@ init function and then sliced, so a model has the same weights under every
 tensor-parallel size; this is what makes TP runs comparable to a single-process
 reference. Partitioned parameters carry ``tensor_model_parallel = True`` and
 ``partition_dim`` so checkpoint tools can re-assemble them. With
-``gradient_accumulation_fusion`` the linear layers add their weight gradient
-into the gradient buffer themselves (zero_cache/weight_grad.py).
+``gradient_accumulation_fusion`` the linear and embedding layers add their
+weight gradient into the gradient buffer themselves (zero_cache/weight_grad.py).
 """
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron.core import parallel_state as ps
@@ -24,7 +23,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from zero_cache.weight_grad import linear
+from zero_cache.weight_grad import embedding, linear
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -135,8 +134,10 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding table split along the vocabulary; each rank looks up the ids it owns."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, init_method: InitMethod | None = None,
-                 params_dtype: torch.dtype = torch.float32, device: torch.device | None = None):
+                 params_dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+                 gradient_accumulation_fusion: bool = True):
         super().__init__()
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         world = ps.get_tensor_model_parallel_world_size()
         self.num_embeddings = num_embeddings
         self.per_partition = divide(num_embeddings, world, "padded vocabulary size")
@@ -147,8 +148,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ps.get_tensor_model_parallel_world_size() == 1:
-            return F.embedding(ids, self.weight)
+            return embedding(ids, self.weight, fuse=self.gradient_accumulation_fusion)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_start + self.per_partition)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = embedding(local, self.weight, fuse=self.gradient_accumulation_fusion)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tensor_model_parallel_region(out)

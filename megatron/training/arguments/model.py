@@ -37,8 +37,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--recompute-num-layers", type=int, default=1)
     g.add_argument("--checkpoint-activations", action="store_true", help="legacy alias of --recompute-granularity full")
     g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
-                   help="linear layers return their weight gradients through autograd instead of adding them into "
-                        "the gradient buffers themselves (main_grad, or the ZeRO engine's with --deepspeed)")
+                   help="linear and embedding layers return their weight gradients through autograd instead of "
+                        "adding them into the gradient buffers themselves (main_grad, or the ZeRO engine's with "
+                        "--deepspeed)")
     return parser
 
 
