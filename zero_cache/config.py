@@ -242,9 +242,9 @@ class ZeroOptimizationConfig:
         "to this size (at least one chunk) share a tier and are updated by one fused Adam call; the unit of "
         "offload placement and SSD swapping.", lo=1))
     stage3_prefetch_bucket_size: int = field(default=50_000_000, metadata=key(
-        "Stage 3: gathered elements of the chunks all-gathered ahead of use, in the order the previous step "
-        "requested them (0: no prefetch); with offload_param.device nvme the SSD reads of the next window of "
-        "as many elements start too.", lo=0))
+        "Stage 3: elements of the chunks being all-gathered ahead of use, in the order the previous step "
+        "requested them (chunks already gathered do not count; 0: no prefetch); with offload_param.device nvme "
+        "the SSD reads of the next window of as many elements start too.", lo=0))
     stage3_max_live_parameters: int = field(default=1_000_000_000, metadata=key(
         "Stage 3 without max_contigous_params_size: a prefetch that would take the live gathered elements above "
         "this is not issued, and while they are above it no released chunk is kept for reuse; a gather a module "

@@ -8,9 +8,10 @@ activation checkpointing is a forward run *during* backward, so nothing is relea
 
 Prefetch: every step records the sequence of chunk requests (forward and backward, across all
 micro-batches). The next step replays it: serving request i also issues async all-gathers for the
-chunks at i+1, i+2, ... within ``stage3_prefetch_bucket_size`` elements and ``stage3_max_live_parameters``
-gathered elements, so the next module's gather overlaps this module's compute. A request that does not
-match the trace turns prefetch off for the rest of the step and the step's record becomes the new trace.
+chunks at i+1, i+2, ... not gathered yet, within ``stage3_prefetch_bucket_size`` elements in flight and
+``stage3_max_live_parameters`` gathered elements, so the next module's gather overlaps this module's compute.
+A request that does not match the trace turns prefetch off for the rest of the step and the step's record
+becomes the new trace.
 The first step has no record yet: its trace is predicted from the module order (modules in registration
 order forward, in reverse backward, once per micro-batch), which is the execution order of GPT-style models,
 so the first step prefetches and keeps a chunk gathered across the modules that share it like the later
@@ -455,14 +456,17 @@ class ParamCoordinator:
     def _prefetch(self) -> None:
         if self.trace is None or not self.trace_ok or self.prefetch_numel <= 0:
             return
-        # The window ahead holds at most prefetch_numel elements, counting chunks already fetched ahead.
+        # The window ahead holds at most prefetch_numel elements still to come: the gathers in flight and the
+        # ones issued now. Chunks already gathered take none of it (as in DeepSpeed, only parameters not yet
+        # available count), so the backward's later requests of the chunk it is working on do not stop the
+        # gather of the next one.
         budget = self.prefetch_numel
         seen = set()
         gathering = True  # first window: gathers; second window: SSD reads only
         for i in range(self.pos, len(self.trace)):
             c = self.trace[i]
             chunk = self.chunks[c]
-            if c in seen or self.users[c] > 0:
+            if c in seen or self.users[c] > 0 or chunk.gathered:
                 continue
             seen.add(c)
             if chunk.plan.padded > budget:
@@ -472,7 +476,7 @@ class ParamCoordinator:
                 if chunk.plan.padded > budget:
                     return
             budget -= chunk.plan.padded
-            if chunk.gathered or c in self.inflight:
+            if c in self.inflight:
                 continue
             if not gathering:
                 if not self._read_ahead(c):

@@ -2,11 +2,25 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import zero_cache
 from tests.dist_utils import run_distributed
-from tests.zero_cache.common import assert_close_losses, batches, ds_config, make_model, reference_run, train_engine
+from tests.zero_cache.common import (
+    GAS,
+    HIDDEN,
+    SEQ,
+    VOCAB,
+    Block,
+    assert_close_losses,
+    batches,
+    ds_config,
+    make_model,
+    reference_run,
+    train_engine,
+)
 from zero_cache.comm import CommEvent
 from zero_cache.coordinator import in_backward
 
@@ -96,6 +110,62 @@ def test_prefetch_issues_next_gather_before_current_forward_ends(stage3_results)
     # step: the recorded order does. Either way every next gather is in flight during the current compute.
     assert all(overlapped(first_step, n, c) for n, c in pairs)
     assert all(overlapped(second_step, n, c) for n, c in pairs)
+
+
+class _CheckpointedBlocks(nn.Module):
+    """An embedding and checkpointed blocks: with 2048-element chunks, every chunk holds one block's fc2 and the
+    next block's fc1 (as a page of the planner's size holds the end of one layer and the start of the next)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=False)
+        return x.square().mean()
+
+
+def _backward_prefetch(rank, world_size):
+    """The ordered log of the second step's collectives and Linear weight gradients (a prefetch window of one
+    chunk, as the planner sets it)."""
+    torch.manual_seed(0)
+    model = _CheckpointedBlocks()
+    config = ds_config(3, world_size, is_communication_time_profiling=True, allgather_bucket_size=2048,
+                       stage3_prefetch_bucket_size=2048)
+    engine = zero_cache.initialize(model=model, config=config)
+    log = engine.profiler.events
+    chunks = {}
+    for name, m in model.blocks.named_modules():
+        if isinstance(m, nn.Linear):
+            m.weight.register_post_accumulate_grad_hook(lambda p, n=name: log.append(("grad", n)))
+            chunks[name] = engine.coordinator.chunk_of[id(m.weight)]
+    for _ in range(2):  # the first step records the trace
+        log.clear()
+        for _ in range(GAS):
+            engine.backward(engine(torch.randint(0, VOCAB, (2, SEQ))))
+        engine.step()
+    events = [(e.op, e.tag) if isinstance(e, CommEvent) else e for e in log]
+    engine.close()
+    return chunks, events
+
+
+@pytest.mark.multiprocess
+def test_backward_prefetches_the_next_blocks_chunk():
+    """Block i's first chunk is gathered for its recomputation before block i+1's backward produces its first
+    gradient, although the chunk block i+1 shares with block i, which that backward still reads, is ahead in
+    the trace: a chunk already gathered takes no room in the prefetch window."""
+    chunks, events = run_distributed(_backward_prefetch, DP, timeout=180)[0]
+    assert [chunks[f"{i}.fc2"] == chunks[f"{i + 1}.fc1"] for i in (0, 1)] == [True, True]
+    for _ in range(GAS):
+        end = events.index(("grad", "0.fc1")) + 1
+        backward = events[events.index(("all_gather", f"chunk{chunks['2.fc2']}")):end]
+        for i in (0, 1):
+            gather = backward.index(("all_gather", f"chunk{chunks[f'{i}.fc1']}"))
+            assert gather < backward.index(("grad", f"{i + 1}.fc2")), backward
+        events = events[end:]
 
 
 @pytest.mark.multiprocess
