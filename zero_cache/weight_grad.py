@@ -48,6 +48,12 @@ def weight_grad_sink(param: torch.Tensor) -> WeightGradSink | None:
     return _sinks.get(param)
 
 
+def _sink_for(weight: torch.Tensor, fuse: bool) -> WeightGradSink | None:
+    """The sink a layer hands ``weight``'s gradient to now: None without ``fuse``, outside autograd, or when
+    nobody set one."""
+    return weight_grad_sink(weight) if fuse and torch.is_grad_enabled() and weight.requires_grad else None
+
+
 def add_into(buffer: torch.Tensor) -> WeightGradSink:
     """The sink of a persistent buffer (Megatron's ``main_grad``): every gradient is added to it."""
     return lambda write: write(buffer, False)
@@ -104,7 +110,7 @@ class _LinearWithWeightGradSink(torch.autograd.Function):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            fuse: bool = True) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; with ``fuse`` and a sink for ``weight``, its gradient goes to the sink."""
-    sink = weight_grad_sink(weight) if fuse and torch.is_grad_enabled() and weight.requires_grad else None
+    sink = _sink_for(weight, fuse)
     if sink is None:
         return F.linear(x, weight, bias)
     return _LinearWithWeightGradSink.apply(x, weight, bias, sink)
@@ -127,7 +133,7 @@ class _EmbeddingWithWeightGradSink(torch.autograd.Function):
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor, *, fuse: bool = True) -> torch.Tensor:
     """``F.embedding(ids, weight)``; with ``fuse`` and a sink for ``weight``, its gradient goes to the sink."""
-    sink = weight_grad_sink(weight) if fuse and torch.is_grad_enabled() and weight.requires_grad else None
+    sink = _sink_for(weight, fuse)
     if sink is None:
         return F.embedding(ids, weight)
     return _EmbeddingWithWeightGradSink.apply(ids, weight, sink)
