@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from .comm import Comm, group_all_reduce
+from .grad_norm import sum_of_squares
 from .host_lane import HostLane
 from .host_memory import empty_mapped
 from .partition import FlatChunk, ParamSlot
@@ -69,10 +70,10 @@ def norm_stats(grad: torch.Tensor, ranges: NormRanges) -> torch.Tensor:
     own scan for the overflow flag."""
     out = torch.zeros(2, dtype=torch.float64, device=grad.device)
     if ranges is None:
-        out[0] = torch.linalg.vector_norm(grad, dtype=torch.float32).double() ** 2
+        out[0] = sum_of_squares(grad)
         return out
     for a, b in ranges:
-        out[0] += torch.linalg.vector_norm(grad[a:b], dtype=torch.float32).double() ** 2
+        out[0] += sum_of_squares(grad[a:b])
     out[1] = (~torch.isfinite(grad)).any().double()
     return out
 

@@ -5,6 +5,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zero_cache.grad_norm import sum_of_squares
+
 
 def get_grad_norm_fp32(grads: list[torch.Tensor], model_parallel_group: dist.ProcessGroup | None,
                        device: torch.device | str = "cpu") -> float:
@@ -16,10 +18,9 @@ def get_grad_norm_fp32(grads: list[torch.Tensor], model_parallel_group: dist.Pro
     where the partial sum lives for the all-reduce).
     """
     if grads:
-        norms = torch._foreach_norm([g.float() for g in grads], 2)
-        total_sq = torch.stack(norms).square().sum().reshape(1)
+        total_sq = torch.stack([sum_of_squares(g) for g in grads]).sum().reshape(1)
     else:
-        total_sq = torch.zeros(1, dtype=torch.float32, device=device)
+        total_sq = torch.zeros(1, dtype=torch.float64, device=device)
     if model_parallel_group is not None and dist.get_world_size(model_parallel_group) > 1:
         dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=model_parallel_group)
     return float(total_sq.sqrt())
