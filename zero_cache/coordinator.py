@@ -53,7 +53,7 @@ from torch import nn
 
 from .aio import round_up
 from .comm import Comm, Handle
-from .config import ZeroOptimizationConfig
+from .config import ZeroConfigError, ZeroOptimizationConfig
 from .param_arena import ParamArena
 from .partition import FlatChunk
 from .store import DEVICE, ShardStore
@@ -159,9 +159,10 @@ class ParamCoordinator:
         if self.arena is not None:
             need = sum(self.arena.need(self.chunks[c]) for c in ids)
             if need > self.arena.numel:
-                raise ValueError(
-                    f"max_contigous_params_size {self.arena.numel} elements cannot hold the chunks one "
-                    f"{type(module).__name__} module uses at once ({need} elements); raise it to at least {need} "
+                raise ZeroConfigError(
+                    f"zero_cache config: 'zero_optimization.max_contigous_params_size' {self.arena.numel} elements "
+                    f"cannot hold the chunks one {type(module).__name__} module uses at once ({need} elements); "
+                    f"raise it to at least {need} "
                     f"(2x that lets the next chunk be prefetched) or set -1 for plain allocations")
 
     # ---- hooks ------------------------------------------------------------------------------------------

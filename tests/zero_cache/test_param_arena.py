@@ -115,6 +115,7 @@ def test_arena_holding_every_chunk_gathers_each_once_per_step():
 
 
 def test_arena_smaller_than_one_module_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"max_contigous_params_size 576 elements cannot hold the chunks one "
-                                         r"(Embedding|Linear) module uses at once \(\d+ elements\); raise it"):
+    with pytest.raises(zero_cache.ZeroConfigError,
+                       match=r"'zero_optimization.max_contigous_params_size' 576 elements cannot hold the chunks "
+                             r"one (Embedding|Linear) module uses at once \(\d+ elements\); raise it"):
         zero_cache.initialize(model=make_model(), config=ds_config(3, 1, max_contigous_params_size=600))
