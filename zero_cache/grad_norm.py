@@ -19,10 +19,7 @@ def sum_of_squares(t: torch.Tensor) -> torch.Tensor:
     flat = t.reshape(-1)
     acc = torch.float64 if t.dtype == torch.float64 else torch.float32
     body = flat.numel() - flat.numel() % _BLOCK
-    out = torch.zeros((), dtype=torch.float64, device=t.device)
-    if body:
-        rows = torch.linalg.vector_norm(flat[:body].view(-1, _BLOCK), dim=1, dtype=acc)
-        out += rows.double().square().sum()
-    if body < flat.numel():
-        out += torch.linalg.vector_norm(flat[body:], dtype=acc).double().square()
-    return out
+    # The tail (< _BLOCK elements, possibly none) is one more partial sum; an empty one contributes 0.
+    partials = torch.cat([torch.linalg.vector_norm(flat[:body].view(-1, _BLOCK), dim=1, dtype=acc),
+                          torch.linalg.vector_norm(flat[body:], dtype=acc).reshape(1)])
+    return partials.double().square().sum()

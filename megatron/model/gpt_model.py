@@ -38,7 +38,7 @@ class PositionEmbedding(nn.Module):
         super().__init__()
         shape = (config.max_position_embeddings, config.hidden_size)
         self.weight = nn.Parameter(torch.empty(shape))
-        self.fuse = config.gradient_accumulation_fusion
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         init = config.init_method("embedding.position_embeddings.weight")
 
         def make() -> torch.Tensor:
@@ -49,7 +49,7 @@ class PositionEmbedding(nn.Module):
         init_or_defer(self.weight, make)
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
-        return embedding(position_ids, self.weight, fuse=self.fuse)
+        return embedding(position_ids, self.weight, fuse=self.gradient_accumulation_fusion)
 
 
 def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
