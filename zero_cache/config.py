@@ -93,14 +93,23 @@ class AdamHyperParams:
     weight_decay: float = field(default=0.0, metadata=key(
         "Weight decay of the default parameter group; param_groups passed to zero_cache.initialize set their "
         "own.", lo=0.0))
+    adam_w_mode: bool = field(default=True, metadata=key(
+        "For type Adam (DeepSpeed's rule): true decays the weights decoupled from the gradient, as AdamW; false "
+        "adds the decay to the gradient (L2). AdamW is always decoupled."))
 
 
 @dataclass
 class AdamConfig:
     """``optimizer``: the only optimizer is Adam, run shard by shard with torch's fused kernel."""
     type: str = field(default="AdamW", metadata=key(
-        "AdamW: decoupled weight decay; Adam: weight decay added to the gradient (L2).", choices=("AdamW", "Adam")))
+        "AdamW: decoupled weight decay. Adam: the same unless params.adam_w_mode is false, then weight decay "
+        "added to the gradient (L2).", choices=("AdamW", "Adam")))
     params: AdamHyperParams = field(default_factory=AdamHyperParams, metadata=key("Adam hyperparameters."))
+
+    @property
+    def decoupled(self) -> bool:
+        """Weight decay applied to the weights (AdamW), not added to the gradient."""
+        return self.type == "AdamW" or self.params.adam_w_mode
 
 
 @dataclass

@@ -120,7 +120,7 @@ class ZeroEngine:
                                                 keep_param_bytes=placed.param_keep)
             self.coordinator.register_model(model)
         self.optimizer = ShardedAdam(self.chunks, self.sub_groups, self.groups, lr=hp.lr, betas=hp.betas,
-                                     eps=hp.eps, decoupled=cfg.optimizer.type == "AdamW",
+                                     eps=hp.eps, decoupled=cfg.optimizer.decoupled,
                                      pipeline=z.pipeline_optimizer, store=self.store, streams=self.streams,
                                      lane=self.lane)
         tied_chunks = {chunk_of[id(p)] for p, _ in tied}

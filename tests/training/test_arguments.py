@@ -60,6 +60,35 @@ def test_bad_deepspeed_setup_fails_in_parse_args(tmp_path):
     ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4}))
     with pytest.raises(ConfigError, match="'train_micro_batch_size_per_gpu': 4 disagrees with --micro-batch-size"):
         parse_args(TINY_GPT + ["--deepspeed", "--deepspeed_config", str(ds)], world_size=1)
+    # The flags' optimizer trains: a JSON optimizer or clipping that says otherwise is an error, not an override.
+    argv = TINY_GPT + ["--deepspeed", "--deepspeed_config", str(ds)]
+    lr = parse_args(TINY_GPT, world_size=1).optimizer.lr
+    for block, message in (
+            ({"gradient_clipping": 123.0}, "'gradient_clipping': 123.0 disagrees with --clip-grad"),
+            ({"optimizer": {"type": "AdamW", "params": {"lr": lr * 2}}},
+             f"'optimizer.params.lr': {lr * 2} disagrees with --lr"),
+            ({"optimizer": {"params": {"weight_decay": 0.5}}},
+             "'optimizer.params.weight_decay': 0.5 disagrees with --weight-decay"),
+            ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}, "adds weight decay to the gradient")):
+        ds.write_text(json.dumps(block))
+        with pytest.raises(ConfigError, match=message):
+            parse_args(argv, world_size=1)
+    # Blocks of the wrong JSON type are one error naming the file, not a TypeError.
+    for text, message in (("[]", "must hold a JSON object"), ('{"bf16": true}', "'bf16' in .* must be a JSON object"),
+                          ('{"fp16": {"enabled": "no"}}', "'fp16.enabled' in .* must be true or false"),
+                          ('{"gradient_clipping": true}', "'gradient_clipping': true disagrees with --clip-grad"),
+                          ('{"optimizer": "adam"}', "'optimizer' in .* must be an object")):
+        ds.write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            parse_args(argv, world_size=1)
+    ds.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ConfigError, match=f"--deepspeed_config {ds}: invalid JSON"):
+        parse_args(argv, world_size=1)
+    ds.write_text('{"zero_optimization": "x"}')
+    with pytest.raises(ConfigError, match="'zero_optimization' in .* must be a JSON object"):
+        parse_args(argv + ["--zero-stage", "2"], world_size=1)
+    ds.write_text(json.dumps({"optimizer": {"type": "Adam", "params": {"lr": lr}}}))
+    assert parse_args(argv, world_size=1).optimizer.lr == lr  # agreeing keys (and DeepSpeed's Adam) are fine
     ds.write_text(json.dumps({"zero_optimization": {"sub_grup_size": 10}}))
     with pytest.raises(ConfigError, match="sub_group_size"):
         parse_args(TINY_GPT + ["--deepspeed", "--deepspeed_config", str(ds)], world_size=1)

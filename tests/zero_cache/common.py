@@ -126,12 +126,14 @@ def train_engine(engine, data: torch.Tensor, rank: int, dp: int, steps=None, inj
     return losses
 
 
-def reference_run(steps: int = STEPS, norms=None, **model_kw) -> tuple[list[float], list[dict]]:
-    """Single process fp32: plain model + torch AdamW on the whole global batch; returns losses and weights.
+def reference_run(steps: int = STEPS, norms=None, adam=torch.optim.AdamW,
+                  **model_kw) -> tuple[list[float], list[dict]]:
+    """Single process fp32: plain model + torch AdamW (or ``adam``) on the whole global batch; returns losses
+    and weights.
 
     ``norms``, when a list, receives each step's gradient norm before clipping."""
     model = make_model(**model_kw)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    opt = adam(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     data = batches(steps)
     losses, weights = [], []
     for s in range(steps):

@@ -10,8 +10,8 @@ def add_deepspeed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g = parser.add_argument_group("zero_cache (DeepSpeed-style)")
     g.add_argument("--deepspeed", action="store_true", help="train through the zero_cache engine")
     g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None)
-    g.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
-                   help="overrides zero_optimization.stage of the config")
+    g.add_argument("--zero-stage", type=int, choices=[1, 2, 3], default=None,
+                   help="overrides zero_optimization.stage of the config (no ZeRO: leave out --deepspeed)")
     return parser
 
 
