@@ -11,6 +11,7 @@ import torch
 from megatron.core.tensor_parallel import RNGStatesTracker
 from megatron.core.transformer_config import TransformerConfig
 from megatron.data import build_train_valid_test_datasets, get_ltor_masks_and_position_ids
+from megatron.data.errors import check_token_ids
 from megatron.model.gpt_model import GPTModel
 from megatron.training.arguments import parse_args
 from megatron.training.config import Config
@@ -34,8 +35,9 @@ def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     return loss, {"lm loss": loss.detach()}
 
 
-def forward_step(cfg: Config, eod: int, device: torch.device, data_iterator, model):
+def forward_step(cfg: Config, eod: int, vocab_size: int, device: torch.device, data_iterator, model):
     text = next(data_iterator)["text"].long()
+    check_token_ids(text, vocab_size, cfg.data.describe())
     tokens, labels = text[:, :-1].contiguous().to(device), text[:, 1:].contiguous().to(device)
     d = cfg.data
     attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
@@ -45,7 +47,7 @@ def forward_step(cfg: Config, eod: int, device: torch.device, data_iterator, mod
 
 
 def forward_step_provider(cfg: Config, tokenizer, device: torch.device):
-    return partial(forward_step, cfg, tokenizer.eod, device)
+    return partial(forward_step, cfg, tokenizer.eod, tokenizer.vocab_size, device)
 
 
 def main(argv: list[str] | None = None) -> TrainResult:

@@ -56,7 +56,12 @@ def read_hostfile(path: str | Path) -> dict[str, int]:
     if not path.is_file():
         raise HostfileError(f"hostfile {str(path)!r} not found; pass an existing file to --hostfile, "
                             f"or leave --hostfile out to run on this machine only")
-    return parse_hostfile_text(path.read_text(encoding="utf-8"), source=str(path))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise HostfileError(f"hostfile {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start}); write it "
+                            f"as lines like 'worker-1 slots=8'") from None
+    return parse_hostfile_text(text, source=str(path))
 
 
 def parse_filter(spec: str, pool: dict[str, int], flag: str) -> dict[str, list[int] | None]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import tempfile
@@ -64,21 +65,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="force full activation recompute (else recommended only when needed)")
     g = p.add_argument_group("hardware (detected when omitted)")
     g.add_argument("--device", choices=["cpu", "cuda"], default=None)
-    g.add_argument("--device-memory-gib", type=float, default=None, help="accelerator memory per device")
-    g.add_argument("--host-memory-gib", type=float, default=None, help="host memory per node (default: available)")
+    g.add_argument("--device-memory-gib", type=finite, default=None, help="accelerator memory per device")
+    g.add_argument("--host-memory-gib", type=finite, default=None, help="host memory per node (default: available)")
     g.add_argument("--nvme-path", default=os.path.join(tempfile.gettempdir(), "zero_cache_nvme"))
-    g.add_argument("--nvme-free-gib", type=float, default=None, help="free disk under --nvme-path")
+    g.add_argument("--nvme-free-gib", type=finite, default=None, help="free disk under --nvme-path")
     g.add_argument("--cpus", type=int, default=None, help="CPU cores per node (SSD I/O threads)")
     d = Speeds()
     g = p.add_argument_group("step prediction and prefetch_cache_sub_group_rate (--device cuda; stated figures, or "
                              "measured where asked)")
     g.add_argument("--gradient-accumulation-steps", type=int, default=1, help="micro-batches per step")
-    g.add_argument("--device-tflops", type=float, default=d.device_tflops, help="sustained model TFLOP/s per GPU")
-    g.add_argument("--pcie-gbps", type=float, default=d.pcie_gbps, help="host <-> GPU GB/s, each direction")
-    g.add_argument("--device-adam-elems-per-s", type=float, default=d.device_adam_elems_per_s)
+    g.add_argument("--device-tflops", type=finite, default=d.device_tflops, help="sustained model TFLOP/s per GPU")
+    g.add_argument("--pcie-gbps", type=finite, default=d.pcie_gbps, help="host <-> GPU GB/s, each direction")
+    g.add_argument("--device-adam-elems-per-s", type=finite, default=d.device_adam_elems_per_s)
     g.add_argument("--host-adam-elems-per-s", default=str(d.host_adam_elems_per_s),
                    help="fused Adam elements/s of one process's host cores, or 'measure' (here, 1 thread per process)")
-    g.add_argument("--ssd-gbps", type=float, default=d.ssd_gbps, help="SSD GB/s per process, reads and writes")
+    g.add_argument("--ssd-gbps", type=finite, default=d.ssd_gbps, help="SSD GB/s per process, reads and writes")
     g = p.add_argument_group("output")
     g.add_argument("--offload", choices=["auto", *OFFLOADS], default="auto",
                    help="restrict the plan to one offload mode (default: the fastest that fits)")
@@ -87,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--write-args", metavar="PATH", help="write the planned Megatron flags, one shell word per line")
     g.add_argument("--json", action="store_true", help="machine-readable plan on stdout")
     return p
+
+
+def finite(text: str) -> float:
+    """argparse type of sizes and speeds: a finite number (inf and nan would plan nothing sensible)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
 
 
 def _existing_parent(path: str) -> str:
@@ -124,6 +133,8 @@ def detect_hardware(args: argparse.Namespace) -> Hardware:
     else:
         nvme = psutil.disk_usage(_existing_parent(args.nvme_path)).free
         detected.append("nvme_free")
+    if os.path.exists(args.nvme_path) and not os.path.isdir(args.nvme_path):
+        raise ValueError(f"--nvme-path {args.nvme_path} is a file; give a directory (created if missing)")
     cpus = args.cpus or os.cpu_count() or 1
     for name, value in (("--host-memory-gib", host), ("--nvme-free-gib", nvme)):
         if value < 0:
@@ -388,12 +399,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plan_memory.py: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if result.fits:
-        if args.write_ds_config:
-            with open(args.write_ds_config, "w", encoding="utf-8") as f:
-                json.dump(result.chosen.config, f, indent=2)
-                f.write("\n")
-        if args.write_args:
-            with open(args.write_args, "w", encoding="utf-8") as f:
-                f.write("\n".join(megatron_args(result)) + "\n")
+        try:
+            if args.write_ds_config:
+                with open(args.write_ds_config, "w", encoding="utf-8") as f:
+                    json.dump(result.chosen.config, f, indent=2)
+                    f.write("\n")
+            if args.write_args:
+                with open(args.write_args, "w", encoding="utf-8") as f:
+                    f.write("\n".join(megatron_args(result)) + "\n")
+        except OSError as e:
+            print(f"plan_memory.py: error: cannot write {e.filename} ({e.strerror}); give a path in an existing, "
+                  f"writable directory", file=sys.stderr)
+            return EXIT_BAD_INPUT
     print(json.dumps(to_json(result), indent=2) if args.json else table(result))
     return EXIT_FITS if result.fits else EXIT_DOES_NOT_FIT

@@ -51,6 +51,14 @@ class DataConfig:
     reset_attention_mask: bool = False  # tokens attend only within their own document
     build_timeout_minutes: float = 10.0  # how long other ranks wait for rank 0 to build the index cache
 
+    def describe(self) -> str:
+        """The data flags in use, for messages about the data."""
+        if self.mock_data:
+            return "--mock-data"
+        flags = (("--data-path", self.data_path), ("--train-data-path", self.train_data_path),
+                 ("--valid-data-path", self.valid_data_path), ("--test-data-path", self.test_data_path))
+        return ", ".join(f"{flag} {' '.join(p for _, p in blend)}" for flag, blend in flags if blend)
+
     def __post_init__(self):
         if self.num_workers < 0:
             raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")

@@ -1,7 +1,8 @@
 """The trainer's failures as an exit code and one line on stderr, so the first cause is not buried.
 
 - Bad input (flags, configs, data, checkpoints, the SSD tier): ``<prog>: error: <message>``, exit code 2. When
-  every rank hits the same error, only the first rank to report it prints (they agree through the job's store).
+  every rank hits the same error, only the first rank to report it prints (they agree through the job's store),
+  and the others exit a moment later, so torchrun cannot stop it before its line is out.
 - A collective that fails because another rank died or stopped answering:
   ``rank R: stopping: another rank failed (<exception type>)``, exit code 1, a moment after the failing rank
   (so torchrun and the launcher see that one first). Its own output holds the cause; a traceback here would only
@@ -100,6 +101,8 @@ def run_trainer(train: Callable[[], T], prog: str = "pretrain_gpt.py") -> T:
     except USER_ERRORS as exc:
         if _first_to_report():
             _print(f"{prog}: error: {one_line(exc)}")
+        else:  # leave after the rank that prints: torchrun stops the others once the first rank has exited
+            time.sleep(OTHER_RANK_EXIT_DELAY_S)
         _leave_process_group()
         raise SystemExit(EXIT_BAD_INPUT) from None
     except Exception as exc:

@@ -41,6 +41,13 @@ def test_missing_hostfile_says_how_to_fix(tmp_path):
         read_hostfile(tmp_path / "nope")
 
 
+def test_hostfile_that_is_not_text_is_one_error(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_bytes(b"\xff\xfe garbage\n")
+    with pytest.raises(HostfileError, match="is not UTF-8 text"):
+        read_hostfile(path)
+
+
 def test_read_hostfile_names_the_file(tmp_path):
     path = tmp_path / "hosts"
     path.write_text("a slots=1\nb slots=x\n")

@@ -274,6 +274,21 @@ def test_bad_input_is_one_clear_error(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_bad_paths_and_sizes_are_one_clear_error(tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert main(["--size", "125m", "--offload", "nvme", "--nvme-path", str(a_file)]) == EXIT_BAD_INPUT
+    assert f"--nvme-path {a_file} is a file" in capsys.readouterr().err
+    target = tmp_path / "missing_dir" / "ds.json"
+    assert main(["--size", "default", *BOX, "--write-ds-config", str(target)]) == EXIT_BAD_INPUT
+    assert f"cannot write {target}" in capsys.readouterr().err
+    for value in ("inf", "nan"):
+        with pytest.raises(SystemExit) as exit_info:  # argparse's one line, exit 2
+            main(["--size", "125m", "--host-memory-gib", value])
+        assert exit_info.value.code == 2
+        assert f"argument --host-memory-gib: '{value}' is not a finite number" in capsys.readouterr().err
+
+
 def test_default_size_keeps_its_batch_and_needs_no_offload_here(capsys):
     code, plan = _plan_json(["--size", "default"] + BOX, capsys)
     assert code == EXIT_FITS

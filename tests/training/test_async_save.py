@@ -100,3 +100,42 @@ def test_flipped_bytes_in_a_saved_checkpoint_stop_the_resume_with_one_line(tmp_p
     assert len(errors) == 1 and "Traceback" not in out, out
     assert target in errors[0] and "corrupted" in errors[0] and "load an earlier iteration" in errors[0]
     assert "iteration        4" not in out  # nothing trained on the damaged weights
+
+
+@pytest.mark.parametrize("damage", ["no-checksums", "metadata"])
+def test_damage_to_the_tracked_checkpoint_is_one_line_and_deletes_nothing(tmp_path, damage):
+    """The checkpoint the tracker names lost its checksums file, or its DCP metadata was overwritten: the resume
+    stops with one line naming the file, and the directory (the run's only copy) is left as it is."""
+    ckpt = str(tmp_path / "ckpt")
+    base = [a for a in TINY_GPT if a not in ("--train-iters", "10")]
+    code, out = run(base + ["--train-iters", "3", "--save", ckpt])
+    assert code == 0, out
+    it_dir = os.path.join(ckpt, "iter_0000003")
+    if damage == "no-checksums":
+        target = os.path.join(it_dir, "checksums.json")
+        os.remove(target)
+    else:
+        target = os.path.join(it_dir, ".metadata")
+        raw = open(target, "rb").read()
+        open(target, "wb").write(b"garbage\n" + raw[8:])  # same size: only the checksum can tell
+    files = sorted(os.listdir(it_dir))
+    code, out = run(base + ["--train-iters", "5", "--load", ckpt])
+    assert code == 2, out
+    errors = [ln for ln in out.splitlines() if "error" in ln.lower()]
+    assert len(errors) == 1 and "Traceback" not in out, out
+    assert target in errors[0] and ("incomplete" if damage == "no-checksums" else "corrupted") in errors[0], out
+    assert sorted(os.listdir(it_dir)) == files
+
+
+@pytest.mark.parametrize("flag", ["--save", "--load"])
+def test_a_file_as_the_checkpoint_directory_stops_before_training(tmp_path, flag):
+    """--save into a path that cannot hold a directory stops at start-up, not at the first save after
+    training; --load of a file is a mistake, not "no checkpoint there"."""
+    path = tmp_path / "a_file"
+    path.write_text("not a directory\n")
+    base = [a for a in TINY_GPT if a not in ("--train-iters", "10")]
+    code, out = run(base + ["--train-iters", "3", flag, str(path), "--save-interval", "2"])
+    assert code == 2, out
+    errors = [ln for ln in out.splitlines() if "error" in ln.lower()]
+    assert len(errors) == 1 and "Traceback" not in out, out
+    assert f"{flag} {path}" in errors[0], out

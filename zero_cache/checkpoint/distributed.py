@@ -322,6 +322,7 @@ def load_tensor(directory: str, name: str, state: str = PARAM, metadata=None) ->
 def load_objects(directory: str, keys: Iterable[str]) -> dict[str, Any]:
     """Plain objects of a checkpoint, read in a single process."""
     from . import dcp_plumbing
+    verified_metadata(directory)  # DCP unpickles the metadata file before it reads any data file
     planner = dcp_plumbing.load({object_key(k): None for k in keys}, directory, integrity.read_checksums(directory),
                                 None, set(), no_dist=True)
     return {k[len("obj/"):]: v for k, v in planner.objects.items()}
@@ -333,5 +334,13 @@ def is_checkpoint(directory: str) -> bool:
         os.path.join(directory, METADATA))
 
 
-__all__ = ["save", "load", "load_tensor", "load_objects", "read_index", "is_checkpoint", "whole", "GlobalSlice",
-           "FORMAT", "EXP_AVG", "EXP_AVG_SQ", "PARAM"]
+def is_started(directory: str) -> bool:
+    """Whether a save of this format wrote into ``directory``, complete or not."""
+    try:
+        return any(f == METADATA or f.endswith(".distcp") for f in os.listdir(directory))
+    except OSError:
+        return False
+
+
+__all__ = ["save", "load", "load_tensor", "load_objects", "read_index", "is_checkpoint", "is_started", "whole",
+           "GlobalSlice", "FORMAT", "EXP_AVG", "EXP_AVG_SQ", "PARAM"]

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zero_cache.checkpoint import CheckpointError, distributed, integrity
+from zero_cache.checkpoint import CheckpointError, distributed
 from zero_cache.checkpoint.interface import StateSource
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -67,18 +67,37 @@ def read_tracker(root: str) -> int | None:
     return int(text)
 
 
+def check_writable(root: str) -> None:
+    """``--save``'s directory exists (created if not) and takes new files: checked on every rank at start-up, so a
+    wrong path stops the run before training rather than at its first save."""
+    try:
+        os.makedirs(root, exist_ok=True)
+        probe = os.path.join(root, f".write-check.tmp.{os.getpid()}")
+        with open(probe, "wb"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise CheckpointError(f"--save {root}: cannot write checkpoints there ({e.strerror or e}); give a writable "
+                              f"directory") from None
+
+
 def remove_leftovers(root: str) -> list[str]:
     """Remove what crashed saves left under ``root``: distributed checkpoint directories without their checksums
-    file, and temporary files (``*.tmp.<pid>``) of any layout. Returns the removed paths. One rank calls it."""
+    file, and temporary files (``*.tmp.<pid>``) of any layout. Returns the removed paths. One rank calls it.
+    The directory the tracker names is never removed: the tracker is written only after a save completes, so if
+    that directory lacks its checksums they were lost later, and loading it reports the damage instead."""
     removed = []
     if not os.path.isdir(root):
         return removed
+    try:
+        tracked = read_tracker(root)
+    except (CheckpointError, OSError, UnicodeDecodeError):
+        tracked = None  # the load that follows reports a bad tracker
+    keep = iteration_dir(root, tracked) if tracked is not None else None
     for name in os.listdir(root):
         path = os.path.join(root, name)
-        if _ITER_DIR.match(name) and os.path.isdir(path):
-            files = os.listdir(path)
-            started = any(f == distributed.METADATA or f.endswith(".distcp") for f in files)
-            if started and integrity.CHECKSUMS not in files:
+        if _ITER_DIR.match(name) and os.path.isdir(path) and path != keep:
+            if distributed.is_started(path) and not distributed.is_checkpoint(path):
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
     for directory, _, names in os.walk(root):

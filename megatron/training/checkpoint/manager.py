@@ -103,10 +103,15 @@ class CheckpointManager:
     # ---- loading ---------------------------------------------------------------------------------------------
     def load(self) -> tuple[int, int]:
         """Resume from the latest checkpoint under --load: (iteration, consumed samples); (0, 0) without one or
-        with --finetune."""
+        with --finetune. Checks first that --save takes files."""
         cfg = self.cfg
+        if cfg.save:
+            checkpointer.check_writable(cfg.save)
         if not cfg.load:
             return 0, 0
+        if os.path.exists(cfg.load) and not os.path.isdir(cfg.load):
+            raise CheckpointError(f"--load {cfg.load} is a file; give the checkpoint directory (the one holding "
+                                  f"{checkpointer.TRACKER})")
         if dist.get_rank() == 0:
             checkpointer.remove_leftovers(cfg.load)
         if dist.is_initialized():
@@ -119,7 +124,7 @@ class CheckpointManager:
             return 0, 0
         start = time.perf_counter()
         directory = checkpointer.iteration_dir(cfg.load, iteration)
-        if distributed.is_checkpoint(directory):
+        if distributed.is_started(directory):  # complete or not: an incomplete one fails naming what is missing
             it, consumed = self._load_distributed(directory)
         else:  # a legacy layout: the backend's own (or a clear error naming what is missing)
             it, consumed = self.backend.load_legacy_checkpoint(cfg, iteration, self.scheduler, self.rng_tracker)
