@@ -120,8 +120,6 @@ mapfile -t LAUNCH < <(python -c 'import os, shlex; [print(a) for a in shlex.spli
 if [ -n "${HOSTFILE:-}" ]; then
   exec ptm-launch --hostfile "$HOSTFILE" "${RESTARTS[@]}" "${LAUNCH[@]}" pretrain_gpt.py "${ARGS[@]}"
 fi
-if [ "${#RESTARTS[@]}" != 0 ]; then
-  # On this machine too: ptm-launch logs each restart and exits with the failing rank's code.
-  exec ptm-launch --num_gpus "$NPROC" "${RESTARTS[@]}" "${LAUNCH[@]}" pretrain_gpt.py "${ARGS[@]}"
-fi
-exec torchrun --standalone --nproc-per-node "$NPROC" pretrain_gpt.py "${ARGS[@]}"
+# On this machine too ptm-launch (torchrun underneath): a failure is the failing rank's one line and exit code
+# rather than torchrun's report, and restarts are logged.
+exec ptm-launch --num_gpus "$NPROC" "${RESTARTS[@]}" "${LAUNCH[@]}" pretrain_gpt.py "${ARGS[@]}"

@@ -52,6 +52,16 @@ def test_default_run_trains_on_the_sample_corpus(tmp_path):
     assert re.search(r"iteration\s+6/\s+6", proc.stdout)
 
 
+def test_a_bad_flag_is_the_trainers_one_line_and_exit_code(tmp_path):
+    """Bad input reaches the user as the trainer's line and exit code 2, not as the launcher's report."""
+    proc = _run(env={"TRAIN_ITERS": "2", "SEQ_LEN": "64", "EXTRA_ARGS": "--clip-grad -1"})
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr  # the launcher passes the ranks' lines through on stdout
+    errors = [ln for ln in out.splitlines() if ln.startswith("pretrain_gpt.py: error:")]
+    assert len(errors) == 1 and "--clip-grad must be >= 0" in errors[0], out[-3000:]
+    assert "Traceback" not in out and "ChildFailedError" not in out
+
+
 def test_size_that_cannot_fit_is_refused_before_anything_starts():
     """start.sh 55 on a 24 GiB CPU node (given explicitly, so the test does not depend on this machine)."""
     import time
