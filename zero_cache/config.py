@@ -578,11 +578,7 @@ def parse_config(config: dict | str | os.PathLike | ZeroCacheConfig, dp_world_si
         if isinstance(config, (str, os.PathLike)):
             if not os.path.isfile(config):
                 raise ZeroConfigError(f"zero_cache config: file '{config}' does not exist; pass a dict or a JSON path")
-            with open(config, encoding="utf-8") as f:
-                try:
-                    config = json.load(f)
-                except json.JSONDecodeError as e:
-                    raise ZeroConfigError(f"zero_cache config: '{f.name}' is not valid JSON: {e}") from None
+            config = read_json(config)
         given = []
         cfg = _build(ZeroCacheConfig, config, "", given)
     _validate(cfg)
@@ -591,6 +587,23 @@ def parse_config(config: dict | str | os.PathLike | ZeroCacheConfig, dp_world_si
     if given:
         _warn_inert(given)
     return cfg
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """A JSON config file. A key given twice in one object is an error: json keeps the last one silently."""
+    def unique(pairs: list[tuple[str, Any]]) -> dict:
+        keys = [k for k, _ in pairs]
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        if twice:
+            raise ZeroConfigError(f"zero_cache config: '{path}' gives {', '.join(repr(k) for k in twice)} twice in "
+                                  f"one object; keep one")
+        return dict(pairs)
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f, object_pairs_hook=unique)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ZeroConfigError(f"zero_cache config: '{path}' is not valid JSON: {e}") from None
 
 
 # ---- documentation ------------------------------------------------------------------------------------------

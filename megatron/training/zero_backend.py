@@ -27,6 +27,7 @@ from megatron.training.checkpoint.layout import layout_function
 from megatron.training.checkpoint.rng import get_rng_state, set_rng_state, to_plain
 from megatron.training.config import Config, ConfigError
 from zero_cache.checkpoint import CheckpointError, sharded
+from zero_cache.config import read_json
 
 if TYPE_CHECKING:
     from zero_cache.checkpoint.distributed import Layout
@@ -52,11 +53,7 @@ def _block(ds: dict, key: str, path: str) -> dict:
 
 def deepspeed_config(cfg: Config) -> dict:
     path = cfg.deepspeed.config_path
-    try:
-        with open(path, encoding="utf-8") as f:
-            ds = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--deepspeed_config {path}: invalid JSON ({e})") from None
+    ds = read_json(path)
     if not isinstance(ds, dict):
         raise ConfigError(f"--deepspeed_config {path} must hold a JSON object ({{...}}), got {type(ds).__name__}")
     par, o = cfg.parallel, cfg.optimizer

@@ -82,7 +82,10 @@ def test_bad_deepspeed_setup_fails_in_parse_args(tmp_path):
         with pytest.raises(ConfigError, match=message):
             parse_args(argv, world_size=1)
     ds.write_bytes(b"\xff\xfe{}")
-    with pytest.raises(ConfigError, match=f"--deepspeed_config {ds}: invalid JSON"):
+    with pytest.raises(ConfigError, match=f"'{ds}' is not valid JSON"):
+        parse_args(argv, world_size=1)
+    ds.write_text('{"zero_optimization": {"stage": 3}, "zero_optimization": {"stage": 1}}')
+    with pytest.raises(ConfigError, match="gives 'zero_optimization' twice in one object"):
         parse_args(argv, world_size=1)
     ds.write_text('{"zero_optimization": "x"}')
     with pytest.raises(ConfigError, match="'zero_optimization' in .* must be a JSON object"):

@@ -101,6 +101,16 @@ def test_bad_config_is_one_clear_error(config, message):
     assert message in str(e.value)
 
 
+def test_a_key_given_twice_or_bytes_that_are_not_utf8_are_one_error(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_batch_size": 8, "zero_optimization": {"stage": 3, "stage": 1}}')
+    with pytest.raises(ZeroConfigError, match="gives 'stage' twice in one object; keep one"):
+        parse_config(str(path))
+    path.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ZeroConfigError, match="is not valid JSON"):
+        parse_config(str(path))
+
+
 def test_missing_file_is_clear(tmp_path):
     with pytest.raises(ZeroConfigError, match="does not exist"):
         parse_config(str(tmp_path / "nope.json"))
