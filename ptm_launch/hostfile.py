@@ -54,7 +54,8 @@ def parse_hostfile_text(text: str, source: str = "hostfile") -> dict[str, int]:
 def read_hostfile(path: str | Path) -> dict[str, int]:
     path = Path(path)
     if not path.is_file():
-        raise HostfileError(f"hostfile {str(path)!r} not found; pass an existing file to --hostfile, "
+        what = "is a directory" if path.is_dir() else "not found"
+        raise HostfileError(f"hostfile {str(path)!r} {what}; pass an existing file to --hostfile, "
                             f"or leave --hostfile out to run on this machine only")
     try:
         text = path.read_text(encoding="utf-8")

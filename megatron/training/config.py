@@ -143,7 +143,8 @@ class DeepSpeedFlags:
         if self.enabled and not self.config_path:
             raise ValueError("--deepspeed needs --deepspeed_config FILE (a DeepSpeed-style JSON)")
         if self.config_path and not os.path.isfile(self.config_path):
-            raise ValueError(f"--deepspeed_config {self.config_path}: no such file")
+            what = "a directory; give the JSON file" if os.path.isdir(self.config_path) else "no such file"
+            raise ValueError(f"--deepspeed_config {self.config_path}: {what}")
 
 
 @dataclass(frozen=True)

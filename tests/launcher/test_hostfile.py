@@ -41,6 +41,11 @@ def test_missing_hostfile_says_how_to_fix(tmp_path):
         read_hostfile(tmp_path / "nope")
 
 
+def test_directory_as_hostfile_says_so(tmp_path):
+    with pytest.raises(HostfileError, match="is a directory; pass an existing file to --hostfile"):
+        read_hostfile(tmp_path)
+
+
 def test_hostfile_that_is_not_text_is_one_error(tmp_path):
     path = tmp_path / "hosts"
     path.write_bytes(b"\xff\xfe garbage\n")

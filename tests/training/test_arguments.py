@@ -57,6 +57,8 @@ def test_bad_deepspeed_setup_fails_in_parse_args(tmp_path):
         parse_args(argv, world_size=1)
     with pytest.raises(ConfigError, match="no such file"):
         parse_args(TINY_GPT + ["--deepspeed", "--deepspeed_config", str(tmp_path / "missing.json")], world_size=1)
+    with pytest.raises(ConfigError, match="a directory; give the JSON file"):
+        parse_args(TINY_GPT + ["--deepspeed", "--deepspeed_config", str(tmp_path)], world_size=1)
     ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4}))
     with pytest.raises(ConfigError, match="'train_micro_batch_size_per_gpu': 4 disagrees with --micro-batch-size"):
         parse_args(TINY_GPT + ["--deepspeed", "--deepspeed_config", str(ds)], world_size=1)
