@@ -37,7 +37,7 @@ def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 
 def forward_step(cfg: Config, eod: int, vocab_size: int, device: torch.device, data_iterator, model):
     text = next(data_iterator)["text"].long()
-    check_token_ids(text, vocab_size, cfg.data.describe())
+    check_token_ids(text, vocab_size, cfg.data)
     tokens, labels = text[:, :-1].contiguous().to(device), text[:, 1:].contiguous().to(device)
     d = cfg.data
     attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(

@@ -40,6 +40,7 @@ from ptm_planner.plan import (
 from ptm_planner.sizes import DEFAULT_SEQ_LENGTH, SIZES, get_size
 from ptm_planner.stages import Mesh
 from ptm_planner.step_time import Speeds, measure_host_adam
+from zero_cache.aio import nearest_existing_dir
 from zero_cache.store import DEVICE, HOST, NVME, TIERS
 
 EXIT_FITS, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 2, 3
@@ -98,13 +99,6 @@ def finite(text: str) -> float:
     return value
 
 
-def _existing_parent(path: str) -> str:
-    path = os.path.abspath(path)
-    while not os.path.isdir(path):
-        path = os.path.dirname(path)
-    return path
-
-
 def detect_hardware(args: argparse.Namespace) -> Hardware:
     detected = []
     cuda_here = torch.cuda.is_available()
@@ -131,7 +125,7 @@ def detect_hardware(args: argparse.Namespace) -> Hardware:
     if args.nvme_free_gib is not None:
         nvme = int(args.nvme_free_gib * GiB)
     else:
-        nvme = psutil.disk_usage(_existing_parent(args.nvme_path)).free
+        nvme = psutil.disk_usage(nearest_existing_dir(args.nvme_path)).free
         detected.append("nvme_free")
     if os.path.exists(args.nvme_path) and not os.path.isdir(args.nvme_path):
         raise ValueError(f"--nvme-path {args.nvme_path} is a file; give a directory (created if missing)")

@@ -12,6 +12,7 @@ exactly as DeepSpeed does.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import difflib
 import json
@@ -592,8 +593,7 @@ def parse_config(config: dict | str | os.PathLike | ZeroCacheConfig, dp_world_si
 def read_json(path: str | os.PathLike) -> Any:
     """A JSON config file. A key given twice in one object is an error: json keeps the last one silently."""
     def unique(pairs: list[tuple[str, Any]]) -> dict:
-        keys = [k for k, _ in pairs]
-        twice = sorted({k for k in keys if keys.count(k) > 1})
+        twice = sorted(k for k, n in collections.Counter(k for k, _ in pairs).items() if n > 1)
         if twice:
             raise ZeroConfigError(f"zero_cache config: '{path}' gives {', '.join(repr(k) for k in twice)} twice in "
                                   f"one object; keep one")

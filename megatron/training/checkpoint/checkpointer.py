@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -72,10 +73,10 @@ def check_writable(root: str) -> None:
     wrong path stops the run before training rather than at its first save."""
     try:
         os.makedirs(root, exist_ok=True)
-        probe = os.path.join(root, f".write-check.tmp.{os.getpid()}")
-        with open(probe, "wb"):
+        # Unnamed where the OS allows (else a random name): another rank's remove_leftovers may be sweeping
+        # this directory for *.tmp.<pid> files at the same moment.
+        with tempfile.TemporaryFile(dir=root):
             pass
-        os.remove(probe)
     except OSError as e:
         raise CheckpointError(f"--save {root}: cannot write checkpoints there ({e.strerror or e}); give a writable "
                               f"directory") from None

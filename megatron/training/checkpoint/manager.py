@@ -67,6 +67,8 @@ class CheckpointManager:
         self.group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
         self.saver = checkpointer.Checkpointer(cfg.save, async_save=cfg.async_save, group=self.group, device=device)
         self.last_save = time.monotonic()
+        if cfg.save:  # at start-up, not at the first save after training
+            checkpointer.check_writable(cfg.save)
 
     # ---- saving ----------------------------------------------------------------------------------------------
     def save(self, iteration: int, consumed_samples: int) -> None:
@@ -103,10 +105,8 @@ class CheckpointManager:
     # ---- loading ---------------------------------------------------------------------------------------------
     def load(self) -> tuple[int, int]:
         """Resume from the latest checkpoint under --load: (iteration, consumed samples); (0, 0) without one or
-        with --finetune. Checks first that --save takes files."""
+        with --finetune."""
         cfg = self.cfg
-        if cfg.save:
-            checkpointer.check_writable(cfg.save)
         if not cfg.load:
             return 0, 0
         if os.path.exists(cfg.load) and not os.path.isdir(cfg.load):
