@@ -36,9 +36,11 @@ def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 
 
 def forward_step(cfg: Config, eod: int, vocab_size: int, device: torch.device, data_iterator, model):
-    text = next(data_iterator)["text"].long()
+    text = next(data_iterator)["text"]
     check_token_ids(text, vocab_size, cfg.data)
-    tokens, labels = text[:, :-1].contiguous().to(device), text[:, 1:].contiguous().to(device)
+    # One asynchronous copy of the batch (the data loader pins it on a GPU machine), widened and split there.
+    text = text.to(device, non_blocking=True).long()
+    tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
     d = cfg.data
     attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
         tokens, eod, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss)

@@ -14,6 +14,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=[name for top in PACKAGES for name in (top, f"{top}.*")]),
+    package_data={"zero_cache": ["storage_pointer.cpp"]},  # compiled at run time on torch < 2.13
     py_modules=["pretrain_gpt"],
     install_requires=[line.strip() for line in Path(__file__).with_name("requirements.txt").read_text().splitlines()
                       if line.strip() and not line.startswith("#")],

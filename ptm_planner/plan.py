@@ -12,7 +12,8 @@ Recomputation in Large Transformer Models"), the loss's logits and a per-process
 Choice, fastest first: offload none; optimizer and parameters in host memory; the same with what the host
 cannot hold spilled to SSD; everything on SSD. Within each: one transformer layer per chunk, then one
 matrix per chunk (less gathered memory); the requested micro-batch, then full recompute, then halved
-micro-batches; the largest sub_group_size whose SSD staging fits; and the largest
+micro-batches; the largest sub_group_size whose SSD staging fits; on an accelerator, an arena that keeps
+every gathered chunk from the forward to the backward, then one of two chunks; and the largest
 prefetch_cache_sub_group_rate (share of optimizer sub-groups kept on the device) that fits. The first
 option that fits wins.
 """
@@ -118,6 +119,9 @@ class Option:
     recompute: bool
     sub_group_size: int
     rate: float = 0.0  # prefetch_cache_sub_group_rate
+    # The arena holds every gathered chunk, so the forward's gathers serve the backward too (no second gather
+    # or host-to-device copy of the parameters per micro-batch); tried first on an accelerator.
+    keep_gathered: bool = False
 
     @property
     def max_live(self) -> int:
@@ -129,11 +133,11 @@ def persistence_threshold(model_cfg: TransformerConfig) -> int:
     return 10 * model_cfg.hidden_size
 
 
-def arena_numel(partitioned: list[int], element_size: int) -> int:
+def arena_numel(partitioned: list[int], element_size: int, keep_gathered: bool = False) -> int:
     """max_contigous_params_size: room for the chunk in use and the next one prefetched (two of the largest),
-    or for every partitioned chunk when they take less."""
+    or for every partitioned chunk when they take less or are all kept gathered."""
     regions = [region_numel(n, element_size) for n in partitioned]
-    return min(2 * max(regions, default=0), sum(regions))
+    return sum(regions) if keep_gathered else min(2 * max(regions, default=0), sum(regions))
 
 
 def ds_config(request: Request, option: Option, arena: int, budgets: dict[str, int] | None) -> dict:
@@ -335,10 +339,16 @@ class Planner:
             self._sub_groups[key] = plan_sub_groups(self.plans(page)[i], size)
         return self._sub_groups[key]
 
-    def arena(self, page: int) -> int:
+    def arena(self, option: Option) -> int:
         """One arena size for every rank: the largest any pipeline stage needs."""
         elem = self.request.dtype.itemsize
-        return max(arena_numel([c.padded for c in plans if not c.resident], elem) for plans in self.plans(page))
+        return max(arena_numel([c.padded for c in plans if not c.resident], elem, option.keep_gathered)
+                   for plans in self.plans(option.page))
+
+    def keep_choices(self) -> tuple[bool, ...]:
+        """keep_gathered, fastest first: on an accelerator the gathered parameters stay for the backward when
+        device memory allows; on a CPU machine the device tier is host memory, kept for the states."""
+        return (False,) if self.cpu else (True, False)
 
     def sub_group_sizes(self, page: int, offload: str = "none") -> list[int]:
         """Candidates, largest first: from about 10 sub-groups per stage down to one chunk each. With states
@@ -365,7 +375,7 @@ class Planner:
         return {DEVICE: int(DEVICE_SHARE * hw.device_memory), HOST: host, NVME: nvme}
 
     def parse(self, option: Option, budgets: dict[str, int] | None) -> tuple[dict, ZeroCacheConfig]:
-        raw = ds_config(self.request, option, self.arena(option.page), budgets)
+        raw = ds_config(self.request, option, self.arena(option), budgets)
         return raw, parse_config(raw, self.request.mesh.dp)
 
     def evaluate(self, option: Option, *, ignore_capacity: bool = False) -> Evaluation:
@@ -383,7 +393,7 @@ class Planner:
             cap = dict.fromkeys(cap, sys.maxsize // 4)
         _, cfg = self.parse(option, None)
         plans = self.plans(option.page)
-        nonstate = [non_state(self.request, s, p, option, self.arena(option.page)) for s, p in zip(self.stages, plans)]
+        nonstate = [non_state(self.request, s, p, option, self.arena(option)) for s, p in zip(self.stages, plans)]
         sgs = [self.sub_groups(option.page, i, option.sub_group_size) for i in range(len(self.stages))]
         dtype = self.request.dtype
         # The device-tier states do not depend on the host budget (what spills goes from the host to SSD).
@@ -467,7 +477,10 @@ class Planner:
         # Host-updated parameters go back to the device unless the parameter shards live on the host anyway
         # (offload_param, then only resident chunks are written back).
         writeback = (elems[HOST] + elems[NVME] if away("params") == 0 else resident_away) * elem
-        return StepWork(flops=flops, h2d_bytes=2 * steps * away("params"), d2h_bytes=steps * away("grads") / 4 * elem,
+        # Parameter shards cross once per gather: for the forward and the backward of every micro-batch, or once
+        # a step when the arena keeps every chunk gathered until the parameters change.
+        gathers = 1 if ev.option.keep_gathered else 2 * steps
+        return StepWork(flops=flops, h2d_bytes=gathers * away("params"), d2h_bytes=steps * away("grads") / 4 * elem,
                         writeback_bytes=writeback, device_elems=elems[DEVICE], host_elems=elems[HOST],
                         ssd_elems=elems[NVME], ssd_bytes=2 * sum(n for (_, t), n in by.items() if t == NVME))
 
@@ -526,9 +539,10 @@ class Planner:
                     continue  # not even the leanest activations fit
                 for mb, rc in self.activation_options():
                     for size in sizes:
-                        ev = self.best_rate(Option(offload, page, mb, rc, size))
-                        if ev.fits:
-                            return ev
+                        for keep in self.keep_choices():
+                            ev = self.best_rate(Option(offload, page, mb, rc, size, keep_gathered=keep))
+                            if ev.fits:
+                                return ev
         return self.evaluate(self.leanest())
 
     def leanest(self) -> Option:

@@ -31,6 +31,7 @@ import struct
 import sys
 import threading
 import time
+import weakref
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from typing import Callable
 
@@ -89,13 +90,25 @@ class AlignedBuffer:
     A buffer of a huge page or more asks for transparent huge pages (``MADV_HUGEPAGE``; the kernel's default
     THP mode, ``madvise``, gives them only to regions that ask): an ``O_DIRECT`` request over scattered 4 KiB
     pages is split by the block layer, over a huge page it is one 2 MiB segment (docs/zero_cache/
-    tiers-and-ssd.md, "Huge pages for staging")."""
+    tiers-and-ssd.md, "Huge pages for staging"). With a ``pinning`` (pinned_memory.py) the mapping is pinned
+    in place, so a device copies to and from it directly."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, pinning=None):
         self.capacity = round_up(max(capacity, 1))
         # Private, so that resize() can grow it: a shared anonymous mapping cannot grow past its first size.
         self.mm = mmap.mmap(-1, self.capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._ask_for_huge_pages()
+        self._pinning = pinning  # pinned_memory.Pinning: the mapping is pinned in place while it lives
+        self._unpin: weakref.finalize | None = None
+        self._pin()
+
+    def _pin(self) -> None:
+        if self._pinning is None:
+            return
+        ptr = torch.frombuffer(self.mm, dtype=torch.uint8, count=1).data_ptr()
+        if self._pinning.register(ptr, self.capacity):
+            # Unpinned when the mapping goes, which is after the last tensor viewing it.
+            self._unpin = weakref.finalize(self.mm, self._pinning.unregister, ptr)
 
     def _ask_for_huge_pages(self) -> None:
         if self.capacity >= HUGE_PAGE and _MADV_HUGEPAGE is not None:
@@ -111,12 +124,17 @@ class AlignedBuffer:
         under it would leave it pointing at unmapped pages."""
         if sys.getrefcount(self.mm) > 2:  # this attribute and the call's argument
             return False
+        if self._unpin is not None:
+            self._unpin()  # the pages may move: pinned again below, at their new place
+            self._unpin = None
         try:
             self.mm.resize(capacity)
         except (BufferError, OSError, SystemError):  # a memoryview of it is alive, or no mremap here
+            self._pin()
             return False
         self.capacity = capacity
         self._ask_for_huge_pages()  # a buffer grown past a huge page
+        self._pin()
         return True
 
     def view(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -127,8 +145,9 @@ class AlignedBuffer:
 class BufferPool:
     """Reused aligned buffers, free lists by capacity; exact accounting of the bytes it holds."""
 
-    def __init__(self, limit: int | None = None):
+    def __init__(self, limit: int | None = None, pinning=None):
         self.limit = limit  # bytes the pool may hold (in use + free); None = unbounded
+        self.pinning = pinning  # pinned_memory.Pinning of its buffers (a device copies to and from them)
         self._free: dict[int, list[AlignedBuffer]] = {}
         self._lock = threading.Lock()
         self.held = 0  # bytes of all buffers this pool holds (in use or free)
@@ -153,7 +172,7 @@ class BufferPool:
                     if self.held + cap > self.limit:
                         raise MemoryError(f"zero_cache SSD tier: staging buffers would need {self.held + cap} bytes, "
                                           f"more than the {self.limit} bytes reserved for them in the host budget")
-                buf = reused if reused is not None and reused.resize(cap) else AlignedBuffer(cap)
+                buf = reused if reused is not None and reused.resize(cap) else AlignedBuffer(cap, self.pinning)
                 self.held += cap
                 self.peak_held = max(self.peak_held, self.held)
             self.in_use += cap

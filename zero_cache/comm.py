@@ -8,6 +8,8 @@ is ordered after the collective, so there the times are host-side spans, not ker
 are exact everywhere). ``CommProfiler.end_step`` turns one step's records into a
 ``CommStepStats`` (per kind totals next to the ZeRO theory, see comm_theory.py); ``events`` doubles as an
 ordered trace that tests use to check that prefetch gathers are issued ahead of compute.
+``observe_collectives`` reports every collective issued over any group (the data-parallel one and
+``group_all_reduce``'s), with its tensor and group, whether profiling is on or not.
 
 Bytes of a collective: the size of the full buffer it produces or consumes on this rank (all-gather: the
 gathered output; reduce-scatter: the unreduced input; all-reduce and broadcast: the tensor). A ring
@@ -25,8 +27,10 @@ third and half of the CPU time.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,9 +38,48 @@ import torch.distributed as dist
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 
 
-# Flat-tensor collectives: torch 2.13 names them *_single; older releases (GPU images) *_into_tensor / *_tensor.
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+def _all_gather_flat(*args, **kwargs):
+    """torch.distributed's flat-tensor all-gather, looked up when called (torch 2.13 names it
+    ``all_gather_single``; older releases, such as the GPU images' 2.11, ``all_gather_into_tensor``)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(*args, **kwargs)
+
+
+def _reduce_scatter_flat(*args, **kwargs):
+    """The flat-tensor reduce-scatter: ``reduce_scatter_single`` (2.13) or ``reduce_scatter_tensor``."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(*args, **kwargs)
+
+
+# Collective observers (``observe_collectives``): called on the thread that asks for each collective.
+_observers: list[Callable[[str, torch.Tensor, object, str], None]] = []
+
+
+@contextmanager
+def observe_collectives(fn: Callable[[str, torch.Tensor, object, str], None]):
+    """Within the block, ``fn(kind, tensor, group, tag)`` is called for every collective this module issues over
+    a process group, on any backend: ``Comm``'s (also gloo's point-to-point ones) and ``group_all_reduce``'s.
+
+    ``kind`` is one of COLLECTIVES; ``tensor`` is the buffer the collective produces (all-gather), consumes
+    (reduce-scatter) or reduces in place (all-reduce, broadcast; ``group_all_reduce``'s staged device copy when
+    it stages a host tensor); ``group`` the process group; ``tag`` the caller's name for it ("" from
+    ``group_all_reduce``). A group of one issues nothing and reports nothing. Calls come in the order the
+    caller asks for the collectives, which on a GPU is the order NCCL runs them in (a collective waiting for a
+    copy is issued at once from a side stream); on the emulated accelerator gloo's point-to-point gathers are
+    started later by a copy stream's thread, which their tags keep apart from other kinds. Tests use it to see
+    what an engine communicates, over which group, from which device and in which order; it needs no
+    profiling and changes nothing that is communicated."""
+    _observers.append(fn)
+    try:
+        yield fn
+    finally:
+        _observers.remove(fn)
+
+
+def _observe(kind: str, tensor: torch.Tensor, group, tag: str = "") -> None:
+    for fn in list(_observers):
+        fn(kind, tensor, group, tag)
+
 
 @dataclass
 class CommEvent:
@@ -207,11 +250,14 @@ class Comm:
                 out.add_(t.view_as(out))
         return self._exchange({r: pieces[r] for r in peers}, recvs, _TAG_REDUCE_SCATTER, finish)
 
-    def _run(self, kind: str, tag: str, nbytes: int, collective, local, async_op: bool, after=None) -> Handle:
-        """Profile and run ``collective`` (async) over the group, or ``local`` when there is no peer.
+    def _run(self, kind: str, tag: str, tensor: torch.Tensor, collective, local, async_op: bool,
+             after=None) -> Handle:
+        """Profile, report (``observe_collectives``) and run ``collective`` (async) over the group, or ``local``
+        when there is no peer. ``tensor``: the buffer the collective's bytes are counted on (module docstring).
 
         ``after`` (a streams.Event): the collective reads memory a copy is writing; it is issued ordered after
         that copy, not after the compute stream (``Streams.issue_after``)."""
+        nbytes = tensor.numel() * tensor.element_size()
         if not self.active:
             if after is None:
                 local()
@@ -221,6 +267,7 @@ class Comm:
             def start():
                 ev = self.profiler.issue(kind, tag, nbytes)
                 return Handle(collective(), ev)
+            _observe(kind, tensor, self.group, tag)
             h = start() if after is None else self.streams.issue_after(after, start, may_defer=self.p2p)
         if not async_op:
             h.wait()
@@ -232,24 +279,24 @@ class Comm:
             if out.data_ptr() != shard.data_ptr():
                 out.copy_(shard)
         collective = (partial(self._p2p_all_gather, out, shard) if self.p2p and out.device.type == "cpu"
-                      else partial(_ALL_GATHER, out, shard, group=self.group, async_op=True))
-        return self._run("all_gather", tag, out.numel() * out.element_size(), collective, local, async_op, after)
+                      else partial(_all_gather_flat, out, shard, group=self.group, async_op=True))
+        return self._run("all_gather", tag, out, collective, local, async_op, after)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, tag: str = "", async_op: bool = False) -> Handle:
         def local():
             out.copy_(full)
         collective = (partial(self._p2p_reduce_scatter, out, full) if self.p2p and full.device.type == "cpu"
-                      else partial(_REDUCE_SCATTER, out, full, group=self.group, async_op=True))
-        return self._run("reduce_scatter", tag, full.numel() * full.element_size(), collective, local, async_op)
+                      else partial(_reduce_scatter_flat, out, full, group=self.group, async_op=True))
+        return self._run("reduce_scatter", tag, full, collective, local, async_op)
 
     def all_reduce(self, t: torch.Tensor, op=None, tag: str = "") -> None:
-        self._run("all_reduce", tag, t.numel() * t.element_size(),
+        self._run("all_reduce", tag, t,
                   lambda: dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group, async_op=True),
                   lambda: None, async_op=False)
 
     def broadcast_from_first(self, t: torch.Tensor, tag: str = "") -> None:
         src = dist.get_global_rank(self.group, 0) if self.active and self.group is not None else 0
-        self._run("broadcast", tag, t.numel() * t.element_size(),
+        self._run("broadcast", tag, t,
                   lambda: dist.broadcast(t, src=src, group=self.group, async_op=True), lambda: None, async_op=False)
 
 
@@ -263,6 +310,7 @@ def group_all_reduce(t: torch.Tensor, group, op=None, device: torch.device | Non
     if t.device.type == "cpu" and device is not None and device.type != "cpu" and \
             dist.get_backend(group) == dist.Backend.NCCL:
         staged = t.to(device)
+    _observe("all_reduce", staged, group)
     dist.all_reduce(staged, op=op or dist.ReduceOp.SUM, group=group)
     if staged is not t:
         t.copy_(staged)

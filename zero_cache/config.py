@@ -125,7 +125,8 @@ class OffloadParamConfig:
         "used; with both on nvme the two must be equal)."))
     pin_memory: bool = field(default=False, metadata=key(
         "Pin host-tier shards (only with an accelerator as compute device); this or offload_optimizer.pin_memory "
-        "pins every host-tier shard."))
+        "pins every host-tier shard, carved from one mapping pinned in place. SSD staging buffers are pinned "
+        "with an accelerator either way."))
     buffer_count: int = field(default=5, metadata=_inert(
         "DeepSpeed: buffers of the parameter swap pool. Here the staging for parameter shards read from SSD is "
         "sized by stage3_prefetch_bucket_size and the shard sizes, within memory_budget.host; no effect.", lo=1))
@@ -150,7 +151,8 @@ class OffloadOptimizerConfig:
         "whenever optimizer states are on SSD; the free space of its disk sets the default memory_budget.nvme."))
     pin_memory: bool = field(default=False, metadata=key(
         "Pin host-tier shards (only with an accelerator as compute device); this or offload_param.pin_memory "
-        "pins every host-tier shard."))
+        "pins every host-tier shard, carved from one mapping pinned in place. SSD staging buffers are pinned "
+        "with an accelerator either way."))
     buffer_count: int = field(default=4, metadata=_inert(
         "DeepSpeed: buffers of the optimizer swap pool. Here the staging pool holds the sub-groups in flight "
         "(3 with pipeline_optimizer, else 1) plus the host budget left unused; no effect.", lo=1))

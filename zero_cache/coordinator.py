@@ -46,11 +46,13 @@ running, or its backward has not produced all its gradients) is never evicted. T
 from __future__ import annotations
 
 import bisect
+import logging
 from typing import Callable, Protocol
 
 import torch
 from torch import nn
 
+from . import storage_pointer
 from .aio import round_up
 from .comm import Comm, Handle
 from .config import ZeroConfigError, ZeroOptimizationConfig
@@ -58,6 +60,8 @@ from .param_arena import ParamArena
 from .partition import FlatChunk
 from .store import DEVICE, ShardStore
 from .streams import HostStreams, Streams
+
+logger = logging.getLogger(__name__)
 
 
 class UpdateGate(Protocol):
@@ -132,8 +136,12 @@ class ParamCoordinator:
         self.arena: ParamArena | None = None
         partitioned = [c for c in chunks if not c.plan.resident]
         if zcfg.max_contigous_params_size > 0 and partitioned:
-            self.arena = ParamArena(zcfg.max_contigous_params_size, partitioned[0].full.dtype,
-                                    partitioned[0].full.device)
+            if storage_pointer.mechanism() is None:
+                logger.warning("zero_cache: max_contigous_params_size is not used, gathered chunks get allocations "
+                               "of their own: %s", storage_pointer.unavailable_reason())
+            else:
+                self.arena = ParamArena(zcfg.max_contigous_params_size, partitioned[0].full.dtype,
+                                        partitioned[0].full.device)
         self.pinned: set[int] = set()  # chunks a running backward still reads (until all their gradients exist)
         self._requests = 0
         self._last_use = [0] * len(chunks)  # request count at each chunk's last request (LRU order)
@@ -230,11 +238,14 @@ class ParamCoordinator:
 
     def _issue(self, c: int, at: int | None = None) -> bool:
         """Start gathering chunk ``c``: a demand fetch, or a prefetch of trace position ``at``, which gives up
-        (False) when the arena has no room for it."""
+        (False) when the arena has no room for it or the chunk's update is still running."""
         chunk = self.chunks[c]
         if self.update_gate is not None:
+            # A prefetch does not wait for the update still running: it leaves the chunk to its demand fetch. The
+            # gathers keep the trace's order either way, and the update runs only in the forward after the step,
+            # before any other collective of the group, so every rank issues the same sequence.
             if at is not None and not self.update_gate.updated(c):
-                return False  # a prefetch does not wait for the optimizer step still updating the chunk
+                return False
             self.update_gate.wait_updated(c)
         if self.arena is None:
             chunk.allocate_full()

@@ -20,8 +20,9 @@ and host memory goes through ``EmulatedStreams``, which behaves as a GPU's copy 
   copy; every all-gather of the coordinator goes that way, so their order is the same on every rank.
   Other collectives are issued by the training thread after waiting for the event.
 
-Host tensors count as pinned when they come from the staging pools or were pinned by the store
-(``pin_memory``); the others are staged, as pageable memory must be on a GPU.
+Host tensors count as pinned when they view a mapping registered as pinned (pinned_memory.py: the staging
+pools, the host arena of ``pin_memory`` shards, the SSD tier's staging buffers); the others are staged, as
+pageable memory must be on a GPU.
 """
 from __future__ import annotations
 
@@ -120,6 +121,7 @@ class EmulatedStreams(Streams):
         self._rng = {H2D: random.Random(2 * seed), D2H: random.Random(2 * seed + 1)}  # each used by its thread
         self._streams = {H2D: _Stream(H2D), D2H: _Stream(D2H)}
         self._pinned: set[int] = set()  # storage data pointers of "pinned" host memory
+        self.pinning = self
 
     def compute_event(self) -> Event:
         return DONE
@@ -147,18 +149,20 @@ class EmulatedStreams(Streams):
         self._streams[H2D].submit(issue)
         return _Deferred(future, self)
 
-    def pinned(self, t: torch.Tensor) -> bool:
-        return t.untyped_storage().data_ptr() in self._pinned
-
     def before_free(self, event: Event) -> None:
         self.wait(event)  # a free is immediate here: a copy still in flight would write freed memory
 
-    def pin(self, t: torch.Tensor) -> torch.Tensor:
-        self._pinned.add(t.untyped_storage().data_ptr())
-        return t
+    # Pinning (pinned_memory.Pinning): host memory registered by its mapping's start, which is the storage data
+    # pointer of every tensor viewing it.
+    def register(self, ptr: int, nbytes: int) -> bool:
+        self._pinned.add(ptr)
+        return True
 
-    def _allocate_pinned(self, nbytes: int) -> torch.Tensor:
-        return self.pin(torch.empty(nbytes, dtype=torch.uint8))
+    def unregister(self, ptr: int) -> None:
+        self._pinned.discard(ptr)
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in self._pinned
 
     def _copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor, after: Iterable[Event]) -> Event:
         after = [e for e in after if not e.query()]

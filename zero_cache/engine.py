@@ -35,6 +35,7 @@ from .host_memory import set_malloc_for_start_up, set_malloc_for_training
 from .loss_scaler import LossScaler
 from .optimizer import GroupHParams, ShardedAdam
 from .partition import ChunkPlan, FlatChunk, plan_chunks, plan_sub_groups
+from .pinned_memory import HostArena
 from .placement import copy_staging_units, machine_budgets, place_states
 from .speculation import Speculation, SpeculationStats
 from .ssd_store import SSDStore
@@ -94,16 +95,17 @@ class ZeroEngine:
         self.streams.configure_staging(*copy_staging_units(self.plans, placed.layouts, cfg, self.device))
         self.comm.streams = self.streams
         pin = z.offload_param.pin_memory or z.offload_optimizer.pin_memory
-        pinner = self.streams.pin if self.streams.separate else None
+        pinning = self.streams.pinning
+        host_bytes = HostArena.reserve_for([s.nbytes for layout in placed.layouts for s in layout if s.tier == HOST])
         params_on_ssd = z.offload_param.device == "nvme" and z.stage == 3
         if store is None and (NVME in tiers or params_on_ssd):
             path = z.offload_optimizer.nvme_path if NVME in tiers else z.offload_param.nvme_path
             store = SSDStore(self.device, path, cfg.aio, rank=_global_rank(), pin_host=pin,
                              budgets=self.budgets, staging_bytes=placed.opt_staging,
-                             param_staging_bytes=placed.param_staging, pin=pinner,
-                             copy_staging=placed.copy_staging)
-        self.store = store or DeviceHostStore(self.device, pin_host=pin, budgets=self.budgets, pin=pinner,
-                                              copy_staging=placed.copy_staging)
+                             param_staging_bytes=placed.param_staging, pinning=pinning,
+                             copy_staging=placed.copy_staging, host_bytes=host_bytes)
+        self.store = store or DeviceHostStore(self.device, pin_host=pin, budgets=self.budgets, pinning=pinning,
+                                              copy_staging=placed.copy_staging, host_bytes=host_bytes)
         with torch.no_grad():
             self.chunks: list[FlatChunk] = [build_chunk(p, tiers[p.index], self.store, self.comm, cfg, self.dtype,
                                                         self.device, param_init, p.index in placed.grad_on_ssd)
@@ -150,6 +152,7 @@ class ZeroEngine:
         self.last_copy_stats: CopyStats | None = None
         self.last_speculation: SpeculationStats | None = None
         self.scaler = LossScaler(cfg.fp16)
+        self._norm_pinned: torch.Tensor | None = None  # the host's part of the norm statistics, on its way over
         self.global_steps = 0
         # Lock-free update: the optimizer step of step t runs here while step t+1 computes.
         self._update_thread = ThreadPoolExecutor(1, "zero_cache_update") if z.lock_free_update else None
@@ -272,9 +275,18 @@ class ZeroEngine:
         return StepResult(grad_norm, overflow, scale, self.optimizer.lr)
 
     def _global_norm_sq_and_overflow(self) -> tuple[float, bool]:
-        stats = torch.zeros(2, dtype=torch.float64, device=self.device)  # [sum of squares, non-finite count]
-        for c in range(len(self.chunks)):
-            stats += self.reducer.shard_norm_stats(c).to(self.device)
+        """The step's one read of a device value on the host: [sum of squares, non-finite count] of every
+        gradient shard, reduced over the groups (clipping, the skip decision and the loss scale need it)."""
+        host, stats = self.reducer.norm_stats_parts()
+        if stats is None:
+            stats = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if host is not None:
+            if self.device.type == "cpu":
+                stats = stats + host
+            else:  # one asynchronous copy from pinned memory, not one blocking copy per shard
+                if self._norm_pinned is None:
+                    self._norm_pinned = torch.empty(2, dtype=torch.float64, pin_memory=True)
+                stats = stats + self._norm_pinned.copy_(host).to(self.device, non_blocking=True)
         self.comm.all_reduce(stats, tag="grad_norm")
         group_all_reduce(stats, self.model_parallel_group)
         sq, bad = stats.tolist()

@@ -31,7 +31,9 @@ gradient work (accumulation, SSD reads and writes of gradient shards) runs on th
 Norm statistics are taken as the shards become final: in the pass the engine expects to be the step's last
 (``final_pass``), right after a chunk's last accumulation (on the device, or on the host lane), so when the
 backward ends only the update is left. Any later change to a shard (another pass, the tied all-reduce, the
-zeroing of shards without gradients) drops its statistics, which the step then computes.
+zeroing of shards without gradients) drops its statistics, which the step then computes. Shards in GPU memory
+are the exception: one fused pass over all of them at the step (``norm_stats_parts``) costs a few kernel
+launches instead of several per shard.
 
 A step's first reduction of a chunk overwrites its gradient shard (so no pass zeroes the shards between
 steps); a shard that got no gradient in a step is zeroed before the step.
@@ -46,21 +48,19 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 from torch import nn
 
 from .comm import Comm, group_all_reduce
-from .grad_norm import sum_of_squares
+from .grad_norm import NormRanges, fused_norm_stats, sum_of_squares
 from .host_lane import HostLane
 from .host_memory import empty_mapped
 from .partition import FlatChunk, ParamSlot
 from .store import DEVICE, ShardStore
 from .streams import HostStreams, Streams
 from .weight_grad import GradWriter, WeightGradSink
-
-NormRanges = Sequence[tuple[int, int]] | None  # shard ranges counted in the global norm (None: all)
 
 
 def norm_stats(grad: torch.Tensor, ranges: NormRanges) -> torch.Tensor:
@@ -112,6 +112,10 @@ class GradReducer:
                         for i, c in enumerate(chunks)]
         if any(self.to_host) and lane is None:
             raise ValueError("gradient shards in host memory behind an accelerator need a host lane")
+        # Shards in GPU memory: their statistics come from one fused pass over all of them in the step
+        # (``norm_stats_parts``), not from a few kernels per shard as each becomes final.
+        self.fused = [not self.to_host[i] and not self.on_ssd[i] and c.grad.device.type == "cuda"
+                      for i, c in enumerate(chunks)]
         self.final_pass = False  # the engine expects the running backward pass to be the step's last
         self.stats: list[torch.Tensor | None] = [None] * len(chunks)  # norm_stats of final shards
         self.on_final = on_final  # chunk c's gradient shard is final (called where it was accumulated)
@@ -229,6 +233,13 @@ class GradReducer:
             if s.offset not in written:
                 buf[s.offset:s.offset + s.numel].zero_()
         chunk = self.chunks[c]
+        # The sum of N fp16 gradients can overflow where their mean does not: an fp16 buffer is divided by N
+        # before the reduce-scatter (as DeepSpeed does). fp32 and bf16 share a range wide enough for the sum
+        # and are divided after it, in fp32.
+        scale = 1.0 / self.comm.size
+        if buf.dtype == torch.float16 and self.comm.size > 1:
+            buf.mul_(scale)
+            scale = 1.0
         # The step's first fp32 result on the device tier is reduced straight into the gradient shard.
         direct = (self.fresh[c] and not self.to_host[c] and not self.on_ssd[c] and buf.dtype == torch.float32
                   and buf.device == chunk.grad.device)
@@ -237,22 +248,22 @@ class GradReducer:
         else:
             out = self._result_buffer(c, buf.dtype, buf.device)
         handle = self.comm.reduce_scatter(out, buf, tag=f"chunk{c}", async_op=True)
-        self.pending.append((c, handle, out, buf, direct))
+        self.pending.append((c, handle, out, buf, direct, scale))
         while len(self.pending) > self.max_events:
             self._finish()
 
     def _finish(self) -> None:
-        c, handle, out, buf, direct = self.pending.popleft()
+        c, handle, out, buf, direct, scale = self.pending.popleft()
         handle.wait()
         self.spare.give(buf)
         final = self.final_pass
         if direct:
-            out.mul_(1.0 / self.comm.size)
+            out.mul_(scale)
             self._shard_final(c, final)
         elif self.to_host[c]:
-            self._send_to_host(c, out, final)
+            self._send_to_host(c, out, scale, final)
         else:
-            self._accumulate(c, out, 1.0 / self.comm.size, self._take_fresh(c))
+            self._accumulate(c, out, scale, self._take_fresh(c))
             self._keep_result(out)
             self._shard_final(c, final)
 
@@ -266,26 +277,29 @@ class GradReducer:
         if not final:
             self.stats[c] = None
             return
-        if not self.on_ssd[c]:
+        if not self.on_ssd[c] and not self.fused[c]:
             self.stats[c] = norm_stats(self.chunks[c].grad, self.norm_ranges[c])
         if self.on_final is not None:
             self.on_final(c)
 
-    def _send_to_host(self, c: int, out: torch.Tensor, final: bool) -> None:
+    def _send_to_host(self, c: int, out: torch.Tensor, scale: float, final: bool) -> None:
         """The reduce-scatter result leaves the device now (D2H stream); the host lane accumulates it."""
         staged, landed = self.streams.d2h_staged(out, after=(self.streams.compute_event(),))
         if final and self.on_final_sent is not None:
             self.on_final_sent(c)
-        self.lane.submit(self._land, c, staged, landed, out, self._take_fresh(c), final)
+        self.lane.submit(self._land, c, staged, landed, out, scale, self._take_fresh(c), final)
 
-    def _land(self, c: int, staged: torch.Tensor, landed, out: torch.Tensor, first: bool, final: bool) -> None:
+    def _land(self, c: int, staged: torch.Tensor, landed, out: torch.Tensor, scale: float, first: bool,
+              final: bool) -> None:
         """Host lane: once the copy is done, add the result into the host (or SSD) shard."""
-        self.streams.synchronize(landed)
-        del out  # the copy has read it: the device block may be reused
-        if self.on_change is not None:
-            self.on_change(c)
-        self._accumulate(c, staged, 1.0 / self.comm.size, first)
-        self.streams.release(staged)
+        try:
+            self.streams.synchronize(landed)
+            del out  # the copy has read it: the device block may be reused
+            if self.on_change is not None:
+                self.on_change(c)
+            self._accumulate(c, staged, scale, first)
+        finally:  # a failure raises at the next drain; the buffer must not stay lent, or the next copy waits
+            self.streams.release(staged)
         self._shard_final(c, final)
 
     def _accumulate(self, c: int, value: torch.Tensor, scale: float, first: bool) -> None:
@@ -293,20 +307,11 @@ class GradReducer:
         first result overwrites it, so no pass zeroes the shards)."""
         chunk = self.chunks[c]
         if not self.on_ssd[c]:
-            value = value.to(device=chunk.grad.device, dtype=torch.float32)
-            if first:
-                torch.mul(value, scale, out=chunk.grad)
-            else:
-                chunk.grad.add_(value, alpha=scale)
+            _scale_into(chunk.grad, value, scale, first)
             return
         key = chunk.state_key("grad")
-        value = value.to(device="cpu", dtype=torch.float32)
-        if first:
-            (grad,) = self.store.staging([key])
-            torch.mul(value, scale, out=grad)
-        else:
-            (grad,) = self.store.swap_in([key]).wait()
-            grad.add_(value, alpha=scale)
+        (grad,) = self.store.staging([key]) if first else self.store.swap_in([key]).wait()
+        _scale_into(grad, value, scale, first)
         self._write_ssd_grad(c, grad)
 
     def _write_ssd_grad(self, c: int, grad: torch.Tensor) -> None:
@@ -356,7 +361,7 @@ class GradReducer:
                 out = self._result_buffer(c, torch.float32, buf.device)
                 self.comm.reduce_scatter(out, buf, tag=f"chunk{c}")
                 if self.to_host[c]:
-                    self._send_to_host(c, out, False)
+                    self._send_to_host(c, out, 1.0 / self.comm.size, False)
                 else:
                     self._accumulate(c, out, 1.0 / self.comm.size, self._take_fresh(c))
                     self._keep_result(out)
@@ -385,6 +390,24 @@ class GradReducer:
             self._write_ssd_grad(c, grad)
         self._drain_ssd_writes()
 
+    def norm_stats_parts(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """norm_stats of all of this rank's gradient shards, summed where they were taken: (the host's part, a
+        CPU tensor; the device's part), None for a part with no shards. No value crosses between the two."""
+        host = device = None
+        fused = [c for c in range(len(self.chunks)) if self.fused[c]]
+        for c in range(len(self.chunks)):
+            if self.fused[c]:
+                continue
+            stats = self.shard_norm_stats(c)
+            if stats.device.type == "cpu":
+                host = stats.clone() if host is None else host.add_(stats)
+            else:
+                device = stats.clone() if device is None else device.add_(stats)
+        if fused:
+            part = fused_norm_stats([self.chunks[c].grad for c in fused], [self.norm_ranges[c] for c in fused])
+            device = part if device is None else device.add_(part)
+        return host, device
+
     def shard_norm_stats(self, c: int) -> torch.Tensor:
         """norm_stats of chunk ``c``'s accumulated gradient shard (SSD shards: taken when last written)."""
         if self.on_ssd[c]:
@@ -399,6 +422,17 @@ class GradReducer:
         self.held_passes = {}
         self.ssd_stats.clear()
         self.stats = [None] * len(self.chunks)
+
+
+def _scale_into(shard: torch.Tensor, value: torch.Tensor, scale: float, first: bool) -> None:
+    """``shard = value * scale`` (``first``) or ``shard += value * scale``, in fp32, with no temporary: a 16-bit
+    ``value`` is widened inside the kernel (the arithmetic and the result are those of ``value.float()``)."""
+    if not first:
+        shard.add_(value, alpha=scale)
+    elif value.dtype == shard.dtype:
+        torch.mul(value, scale, out=shard)
+    else:
+        shard.copy_(value).mul_(scale)
 
 
 class SpareBuffers:

@@ -388,8 +388,8 @@ class ShardedAdam:
         steps = [c.step for c in cs]
         torch._foreach_add_(steps, 1.0)
         scale = None
-        if grad_scale != 1.0:
-            scale = torch.tensor(grad_scale, dtype=torch.float32, device=masters[0].device)
+        if grad_scale != 1.0:  # a fill kernel on an accelerator: no host-to-device copy of a Python scalar
+            scale = torch.full((), grad_scale, dtype=torch.float32, device=masters[0].device)
         grads = [c.grad_spare if delayed else c.grad for c in cs]
         self.kernel(masters, grads, [c.exp_avg for c in cs], [c.exp_avg_sq for c in cs], [],
                     steps, lr=self.lr, beta1=self.betas[0], beta2=self.betas[1],

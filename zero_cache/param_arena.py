@@ -6,8 +6,9 @@ With it, gathered parameters live in one allocation made at start-up, and the co
 chunk to evict when a gather does not fit (it knows the recorded trace).
 
 A chunk keeps its storage object for life: parameters, and the tensors autograd saved, are views of it.
-Only the memory behind the storage moves. ``UntypedStorage._swap_data_ptr_`` points the storage at a
-region of the buffer (a non-owning pointer), and at an empty allocation again on eviction.
+Only the memory behind the storage moves: ``storage_pointer.point`` points the storage at a region of the
+buffer (a non-owning pointer), and at nothing again on eviction. The coordinator builds an arena only where
+this torch can do that (``storage_pointer.mechanism()``).
 
 Regions are placed first-fit from a free list kept sorted by offset and coalesced on removal. Every
 region starts on a 256-byte boundary.
@@ -18,7 +19,8 @@ import bisect
 
 import torch
 
-from .partition import FlatChunk, point_storage
+from . import storage_pointer
+from .partition import FlatChunk
 
 _ALIGN_BYTES = 256
 
@@ -31,9 +33,6 @@ def region_numel(numel: int, element_size: int) -> int:
 
 class ParamArena:
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
-        if not hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
-            raise RuntimeError(f"max_contigous_params_size needs torch.UntypedStorage._swap_data_ptr_, which torch "
-                               f"{torch.__version__} lacks; set it to -1 (plain allocations) or upgrade torch")
         self.elem = torch.empty((), dtype=dtype).element_size()
         self.align = max(1, _ALIGN_BYTES // self.elem)
         self.numel = numel - numel % self.align
@@ -66,14 +65,14 @@ class ParamArena:
         self.region[chunk.index] = (off, need)
         self.used += need
         self.peak_used = max(self.peak_used, self.used)
-        point_storage(chunk.full.untyped_storage(), self.buffer.data_ptr() + off * self.elem, need * self.elem,
-                      self.device)
+        storage_pointer.point(chunk.full.untyped_storage(), self.buffer.data_ptr() + off * self.elem,
+                              need * self.elem, self.device)
         return True
 
     def remove(self, chunk: FlatChunk) -> None:
         """Give the chunk's region back; its storage becomes empty (as a released plain chunk's is)."""
         off, length = self.region.pop(chunk.index)
-        point_storage(chunk.full.untyped_storage(), 0, 0, self.device)
+        storage_pointer.point(chunk.full.untyped_storage(), 0, 0, self.device)
         self.used -= length
         k = bisect.bisect_left(self._free, (off, 0))
         self._free.insert(k, (off, length))

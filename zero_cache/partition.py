@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from . import storage_pointer
 from .host_memory import empty_mapped
 
 
@@ -140,15 +141,15 @@ class FlatChunk:
         storage = self.full.untyped_storage()
         if storage.nbytes() != 0:
             return
-        if self.full.device.type == "cpu" and hasattr(storage, "_swap_data_ptr_"):
+        if self.full.device.type == "cpu" and storage_pointer.mechanism() is not None:
             self._mapping = empty_mapped(self.full_nbytes(), torch.uint8, self.full.device)
-            point_storage(storage, self._mapping.data_ptr(), self.full_nbytes(), self.full.device)
+            storage_pointer.point(storage, self._mapping.data_ptr(), self.full_nbytes(), self.full.device)
         else:
             storage.resize_(self.full_nbytes())
 
     def free_full(self) -> None:
         if self._mapping is not None:
-            point_storage(self.full.untyped_storage(), 0, 0, self.full.device)
+            storage_pointer.point(self.full.untyped_storage(), 0, 0, self.full.device)
             self._mapping = None
         else:
             self.full.untyped_storage().resize_(0)
@@ -168,13 +169,3 @@ class FlatChunk:
         """SSD states the optimizer reads (and writes back, except a gradient shard; a bf16/fp16 parameter
         shard is only written)."""
         return [n for n in self.swapped if n != "param" or self.master_in_param]
-
-
-def point_storage(storage: torch.UntypedStorage, ptr: int, nbytes: int, device: torch.device) -> None:
-    """Make ``storage`` use ``nbytes`` at address ``ptr`` (not owned; ptr 0: an empty allocation). Views of the
-    storage, including the ones autograd saved, follow it."""
-    if nbytes:
-        other = torch._C._construct_storage_from_data_pointer(ptr, device, nbytes)
-    else:
-        other = torch.UntypedStorage(0, device=device)
-    storage._swap_data_ptr_(other)

@@ -39,6 +39,7 @@ import torch
 
 from .aio import ALIGN, AioEngine, AlignedBuffer, BufferPool, PageFile, SSDTierError, spans
 from .config import AioConfig
+from .pinned_memory import Pinning
 from .store import HOST, KINDS, NVME, DeviceHostStore, SwapHandle, check_range
 
 SWAP_DIR = "zero_cache_swap"
@@ -94,12 +95,15 @@ class SSDStore(DeviceHostStore):
 
     def __init__(self, device: torch.device, nvme_path: str, aio: AioConfig, rank: int = 0, pin_host: bool = False,
                  direct_io: bool = True, budgets: dict[str, int] | None = None, staging_bytes: int | None = None,
-                 param_staging_bytes: int | None = None, pin=None, copy_staging: int = 0):
-        super().__init__(device, pin_host, budgets, pin=pin, copy_staging=copy_staging)
+                 param_staging_bytes: int | None = None, pinning: Pinning | None = None, copy_staging: int = 0,
+                 host_bytes: int = 0):
+        super().__init__(device, pin_host, budgets, pinning=pinning, copy_staging=copy_staging, host_bytes=host_bytes)
         self.directory = prepare_swap_dir(nvme_path, rank)
         self.aio = AioEngine(aio)
-        self.pool = BufferPool(staging_bytes)  # optimizer sub-groups and gradient shards (bounded by the reserve)
-        self.param_pool = BufferPool(param_staging_bytes)  # parameter shards read for gathers (bounded too)
+        # Staging buffers are pinned wherever a device copies from them: a shard read from SSD goes to the device
+        # straight from the buffer it was read into.
+        self.pool = BufferPool(staging_bytes, self.pinning)  # optimizer sub-groups and gradient shards (bounded)
+        self.param_pool = BufferPool(param_staging_bytes, self.pinning)  # parameter shards read for gathers
         self.direct_io = direct_io
         self._pages: dict[str, PageFile] = {}
         self._ssd_meta: dict[str, tuple[str, torch.dtype, int]] = {}

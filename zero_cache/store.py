@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .aio import BufferPool
+from .pinned_memory import CudaPinning, HostArena, Pinning
 
 KINDS = ("params", "grads", "optimizer")
 DEVICE, HOST, NVME = "device", "host", "nvme"
@@ -180,13 +181,16 @@ class DeviceHostStore(ShardStore):
     """Two tiers: the compute device and host memory (pinned when the device is an accelerator)."""
 
     def __init__(self, device: torch.device, pin_host: bool = False, budgets: dict[str, int] | None = None,
-                 pin=None, copy_staging: int = 0):
+                 pinning: Pinning | None = None, copy_staging: int = 0, host_bytes: int = 0):
+        """``pinning``: how the compute device pins host memory (streams.Streams.pinning; None: nothing to pin).
+        With ``pin_host`` the host-tier shards are carved from one pinned arena of ``host_bytes`` (the
+        placement's host shards, ``HostArena.reserve_for``), made here."""
         self.device = torch.device(device)
-        # pin(t): host memory a copy engine reads directly (streams.Streams.pin); None: never pinned
-        self.pin = pin if pin_host and pin is not None else None
-        if self.pin is None and pin_host and self.device.type != "cpu" and torch.cuda.is_available():
-            self.pin = torch.Tensor.pin_memory
-        self.pin_host = self.pin is not None
+        if pinning is None and self.device.type == "cuda":
+            pinning = CudaPinning()
+        self.pinning = pinning
+        self.host_arena = HostArena(pinning, host_bytes) if pin_host and pinning is not None else None
+        self.pin_host = self.host_arena is not None
         self.copy_staging = copy_staging  # host bytes of the pinned staging pools of host <-> device copies
         self.budgets = dict(budgets or {})
         self._tensors: dict[str, torch.Tensor] = {}
@@ -219,10 +223,10 @@ class DeviceHostStore(ShardStore):
             raise ValueError(f"bad kind/tier {kind!r}/{tier!r} for DeviceHostStore; kinds {KINDS}, tiers "
                              f"{(DEVICE, HOST)} (the '{NVME}' tier needs zero_cache.ssd_store.SSDStore)")
         self._charge(key, tier, numel * torch.empty((), dtype=dtype).element_size())
-        dev = self.device if tier == DEVICE else torch.device("cpu")
-        t = torch.zeros(numel, dtype=dtype, device=dev)
-        if tier == HOST and self.pin is not None:
-            t = self.pin(t)
+        if tier == HOST and self.host_arena is not None:
+            t = self.host_arena.carve(numel, dtype)
+        else:
+            t = torch.zeros(numel, dtype=dtype, device=self.device if tier == DEVICE else torch.device("cpu"))
         self._tensors[key] = t
         self._meta[key] = (kind, tier)
         return t
@@ -234,7 +238,7 @@ class DeviceHostStore(ShardStore):
         dst = self._tensors[key]
         if value.numel() != dst.numel():
             raise ValueError(f"shard '{key}' holds {dst.numel()} elements, got {value.numel()}")
-        dst.copy_(value.reshape(-1), non_blocking=self.pin_host)
+        dst.copy_(value.reshape(-1))  # done on return: the caller may reuse value, and read dst on the host
 
     def read_range(self, key, lo, hi, out=None):
         src = self._tensors[key]

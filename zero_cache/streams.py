@@ -20,6 +20,9 @@ schedule all three through a ``Streams`` object:
 
 Pageable host memory cannot be read by a copy engine asynchronously: a pageable source is first copied (by
 the calling thread) into a buffer of a bounded pinned pool, double-buffered, and the copy reads that buffer.
+A copy that changes the dtype (an fp32 master written back to a bf16 parameter shard) is staged the same
+way, cast by that host copy, so it crosses in the destination's dtype. Pinned memory is mapped and pinned
+in place (pinned_memory.py), never copied into pinned blocks.
 A pool buffer is handed out again only once the copy that last used it is done (its guard event); buffers
 are never reused by luck, and no ``record_stream`` is needed because every device tensor a copy reads or
 writes is kept referenced until the copy's event is done.
@@ -38,12 +41,15 @@ from typing import Callable, Iterable
 
 import torch
 
+from .aio import AlignedBuffer
 from .config import ZeroCacheConfig, ZeroConfigError
+from .pinned_memory import CudaPinning, Pinning
 
 H2D, D2H = "h2d", "d2h"
 # Pinned staging buffers per direction. Host to device: double-buffered, one being copied while the next is
 # filled. Device to host: one more, since the host lane holds a buffer while it accumulates from it.
 STAGING_BUFFERS = {"h2d": 2, "d2h": 3}
+LENT_TIMEOUT_S = 600.0  # a staging buffer lent this long was lost by a failed consumer: raise, never hang
 
 
 class Event(ABC):
@@ -84,6 +90,7 @@ class CopyStats:
     issued_seconds: float = 0.0  # sum of the copies' durations on their streams
     blocked_seconds: float = 0.0  # time the training thread (compute) sat waiting for copies
     lane_wait_seconds: float = 0.0  # time the training thread waited for the host lane (gradients landing)
+    host_waits: int = 0  # times the training thread itself waited for a copy still running (a host sync on a GPU)
 
     @property
     def hidden(self) -> float:
@@ -108,7 +115,7 @@ class CopyMeter:
 
     def _reset(self) -> None:
         self._bytes = {H2D: 0, D2H: 0}
-        self._copies = 0
+        self._copies = self._host_waits = 0
         self._issued = self._blocked = self._lane = 0.0
 
     def on_main_thread(self) -> bool:
@@ -130,6 +137,12 @@ class CopyMeter:
         with self._lock:
             self._blocked += seconds
 
+    def host_wait(self) -> None:
+        """The calling thread is about to block on a copy that is not done; counted for the training thread."""
+        if self.on_main_thread():
+            with self._lock:
+                self._host_waits += 1
+
     def lane_wait(self, seconds: float) -> None:
         with self._lock:
             self._lane += seconds
@@ -137,7 +150,7 @@ class CopyMeter:
     def take(self) -> CopyStats:
         with self._lock:
             out = CopyStats(self._bytes[H2D], self._bytes[D2H], self._copies, self._issued, self._blocked,
-                            self._lane)
+                            self._lane, self._host_waits)
             self._reset()
         return out
 
@@ -178,10 +191,15 @@ class StagingPool:
                     self._count += 1
                 elif self._free:
                     buf, guard = self._free.pop(0)  # the oldest copy finishes first
+                elif not self._cond.wait(LENT_TIMEOUT_S):  # every buffer is lent: a consumer returns one
+                    raise RuntimeError(f"zero_cache: all {self.buffers} pinned staging buffers have been lent for "
+                                       f"{LENT_TIMEOUT_S:.0f} s and none came back (a copy's consumer failed "
+                                       f"without returning its buffer; its error is the one to look for)")
                 else:
-                    self._cond.wait()  # every buffer is lent: a consumer returns one
                     continue
                 self._lent[buf.data_ptr()] = buf
+            if not guard.query():
+                self._meter.host_wait()
             guard.synchronize()
             waited = time.perf_counter() - t0
             if waited > 1e-4:
@@ -197,9 +215,11 @@ class StagingPool:
 
 class Streams(ABC):
     """The compute device's copy engines; see the module docstring. ``separate``: host and device memory
-    differ, so host-tier shards reach the device only through copies."""
+    differ, so host-tier shards reach the device only through copies. ``pinning``: how host memory is pinned
+    in place for them (pinned_memory.py; None where nothing needs pinning)."""
 
     separate = True
+    pinning: Pinning | None = None
 
     def __init__(self):
         self.meter = CopyMeter()
@@ -216,6 +236,9 @@ class Streams(ABC):
         ...
 
     def synchronize(self, event: Event) -> None:
+        """The calling thread waits for ``event`` (on a GPU, a host synchronisation)."""
+        if not event.query():
+            self.meter.host_wait()
         t0 = time.perf_counter()
         event.synchronize()
         self.meter.blocked(time.perf_counter() - t0)
@@ -224,26 +247,22 @@ class Streams(ABC):
     def issue_after(self, event: Event, fn: Callable, may_defer: bool):
         ...
 
-    @abstractmethod
     def pinned(self, t: torch.Tensor) -> bool:
-        ...
+        """Whether a copy engine reads ``t`` directly (else it is staged through the pinned pool)."""
+        return self.pinning is None or self.pinning.is_pinned(t)
 
     def before_free(self, event: Event) -> None:  # noqa: B027 (a no-op unless an implementation overrides it)
         """Device memory a copy wrote (``event``) is about to be freed or reused by the host's bookkeeping. On a
         GPU nothing to do: the caching allocator reuses a block in compute-stream order, and compute waited
         for the copy before it read the block. Where frees are immediate (the emulator) the host waits."""
 
-    def pin(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` in pinned host memory (a host-tier shard with pin_memory)."""
-        return t
-
     @abstractmethod
     def _copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor, after: Iterable[Event]) -> Event:
         ...
 
-    @abstractmethod
     def _allocate_pinned(self, nbytes: int) -> torch.Tensor:
-        ...
+        """A staging buffer: a mapping of its own, pinned in place (no power-of-two rounding)."""
+        return AlignedBuffer(nbytes, self.pinning).view(torch.uint8, nbytes)
 
     def take_stats(self) -> CopyStats:
         return self.meter.take()
@@ -265,20 +284,30 @@ class Streams(ABC):
         return sum(p.held for p in (self.h2d_pool, self.d2h_pool) if p is not None)
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor, after: Iterable[Event] = ()) -> Transfer:
-        if self.pinned(src):
+        if self.pinned(src) and src.dtype == dst.dtype:
             done = self._copy(H2D, dst, src, after)
             return Transfer(done, done)
-        staging = self.h2d_pool.acquire(src.numel(), src.dtype)
-        staging.copy_(src.reshape(-1))
-        done = self._copy(H2D, dst, staging.view(src.shape), after)
-        self.h2d_pool.release(staging, done)
+        # Pageable memory, or a cast: the calling thread writes a pinned buffer in the destination's dtype, so a
+        # 16-bit parameter shard written back from its fp32 master crosses as 16 bits (torch would cast it into
+        # a pageable temporary and copy that synchronously).
+        staging = self.h2d_pool.acquire(src.numel(), dst.dtype)
+        done = DONE
+        try:
+            staging.copy_(src.reshape(-1))
+            done = self._copy(H2D, dst, staging.view(src.shape), after)
+        finally:  # returned whatever happens, free once the copy (if one started) no longer reads it
+            self.h2d_pool.release(staging, done)
         return Transfer(done, DONE)
 
     def d2h_staged(self, src: torch.Tensor, after: Iterable[Event] = ()) -> tuple[torch.Tensor, Event]:
         """Copy device tensor ``src`` into a pinned staging buffer: (the buffer, its copy's event). The caller
         keeps ``src`` referenced until the event is done and ``release``s the buffer after reading it."""
         staging = self.d2h_pool.acquire(src.numel(), src.dtype)
-        return staging, self._copy(D2H, staging, src.reshape(-1), after)
+        try:
+            return staging, self._copy(D2H, staging, src.reshape(-1), after)
+        except BaseException:
+            self.d2h_pool.release(staging)
+            raise
 
     def release(self, staging: torch.Tensor) -> None:
         self.d2h_pool.release(staging)
@@ -299,15 +328,9 @@ class HostStreams(Streams):
         event.synchronize()
         return fn()
 
-    def pinned(self, t):
-        return True
-
     def _copy(self, direction, dst, src, after):
         dst.copy_(src)
         return DONE
-
-    def _allocate_pinned(self, nbytes):
-        return torch.empty(nbytes, dtype=torch.uint8)
 
 
 class CudaEvent(Event):
@@ -328,6 +351,7 @@ class CudaStreams(Streams):
     def __init__(self, device: torch.device):
         super().__init__()
         self.device = device
+        self.pinning = CudaPinning()
         self.h2d_stream = torch.cuda.Stream(device)
         self.d2h_stream = torch.cuda.Stream(device)
         self.side = torch.cuda.Stream(device)
@@ -364,12 +388,6 @@ class CudaStreams(Streams):
         with torch.cuda.stream(self.side):  # the collective's stream waits for the side stream only
             return fn()
 
-    def pinned(self, t):
-        return t.is_pinned()
-
-    def pin(self, t):
-        return t.pin_memory()
-
     def _copy(self, direction, dst, src, after):
         stream = self.h2d_stream if direction == H2D else self.d2h_stream
         self._stream_waits(stream, after)
@@ -381,9 +399,6 @@ class CudaStreams(Streams):
         with self._lock:
             self._copies.append((direction, src.numel() * src.element_size(), start, end))
         return CudaEvent(end)
-
-    def _allocate_pinned(self, nbytes):
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def take_stats(self) -> CopyStats:
         """Durations of the copies and stalls that are done; the rest count in a later step."""

@@ -172,7 +172,7 @@ def test_cpu_plan_covers_the_peak_rss_measured_with_its_config(layers, page, sub
     plans = planner.plans(page)[0]
     states = account_states(plans, planner.sub_groups(page, 0, sub_group_size), cfg, torch.float32,
                             torch.device("cpu"), host_budget)
-    nonstate = non_state(request, planner.stages[0], plans, option, planner.arena(page))
+    nonstate = non_state(request, planner.stages[0], plans, option, planner.arena(option))
     need = StagePlan(0, planner.stages[0].numel, states, nonstate).need()
     planned = (need["device"] + need["host"]) / GiB  # on CPU both tiers are host memory
     assert peak_rss_gib <= planned <= peak_rss_gib + 0.75, planned
@@ -199,6 +199,23 @@ def test_gpu_node_offloads_only_what_does_not_fit(capsys):
     assert main(node + ["--offload", "none"]) == EXIT_DOES_NOT_FIT
     code, small = _plan_json(["--size", "125m"] + node[2:], capsys)
     assert code == EXIT_FITS and small["option"]["offload"] == "none"
+
+
+def test_gpu_plan_keeps_gathered_parameters_for_the_backward_where_the_device_holds_them(capsys):
+    """On an accelerator the arena holds every gathered chunk when device memory allows (no second gather or
+    copy per micro-batch); where it does not, two chunks. A CPU machine keeps its memory for the states."""
+    node = ["--device", "cuda", "--nproc-per-node", "8", "--host-memory-gib", "1024", "--nvme-free-gib", "3000",
+            "--bf16", "--seq-length", "1024"]
+    code, roomy = _plan_json(["--size", "1.3b", "--device-memory-gib", "80"] + node, capsys)
+    assert code == EXIT_FITS and roomy["option"]["keep_gathered"]
+    arena = roomy["ds_config"]["zero_optimization"]["max_contigous_params_size"]
+    assert arena >= 0.95 * roomy["model"]["num_parameters"]
+    code, tight = _plan_json(["--size", "55", "--device-memory-gib", "40"] + node, capsys)
+    assert code == EXIT_FITS and not tight["option"]["keep_gathered"]
+    arena = tight["ds_config"]["zero_optimization"]["max_contigous_params_size"]
+    assert arena < 0.05 * tight["model"]["num_parameters"]
+    code, cpu = _plan_json(["--size", "125m"] + BOX, capsys)
+    assert code == EXIT_FITS and not cpu["option"]["keep_gathered"]
 
 
 GPU = ["--size", "6.7b", "--device", "cuda", "--device-memory-gib", "80", "--nproc-per-node", "8",
