@@ -49,11 +49,11 @@ def _argv(a, ckpt: str, iters: int) -> list[str]:
 
 def _run(argv: list[str], nproc: int, log: str) -> tuple[str, float, float]:
     """Run the trainer; returns its output, the peak RSS (GiB) of its process tree and the wall seconds."""
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]  # a venv over a machine's torch has no bin/torchrun
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     start = time.perf_counter()
     with open(log, "w", encoding="utf-8") as out:
-        proc = subprocess.Popen([torchrun, "--standalone", f"--nproc-per-node={nproc}", "pretrain_gpt.py", *argv],
+        proc = subprocess.Popen([*torchrun, "--standalone", f"--nproc-per-node={nproc}", "pretrain_gpt.py", *argv],
                                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         root, peak = psutil.Process(proc.pid), 0
         while proc.poll() is None:

@@ -159,6 +159,7 @@ def test_output_prefix_that_cannot_be_written_is_one_line(tmp_path, bpe_files, c
 
 
 def test_split_sentences_trains_punkt_on_the_input(tmp_path, capsys):
+    pytest.importorskip("nltk", reason="--split-sentences needs nltk (optional; not on every GPU image)")
     text = ("Dr. Smith went to Washington. He arrived at 5 p.m. on Monday! Did he stay? "
             "Yes.\nThe end of the story.\n")
     docs = [{"text": text * (1 + i % 3)} for i in range(60)] + [{"text": ""}]
@@ -177,6 +178,29 @@ def test_split_sentences_trains_punkt_on_the_input(tmp_path, capsys):
     cli.main(base + ["--keep-newlines", "--output-prefix", str(tmp_path / "k")])
     _, kept = read_back(tmp_path / "k_text_sentence")
     assert [hf.decode(s) for s in kept[2:5]] == ["Did he stay? ", "Yes.\n", "The end of the story."]
+
+
+def test_without_nltk_only_split_sentences_is_refused_in_one_line(tmp_path):
+    # An image without nltk: a package on PYTHONPATH that fails to import as a missing nltk does.
+    hide = tmp_path / "no_nltk" / "nltk"
+    hide.mkdir(parents=True)
+    (hide / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'nltk'\", name='nltk')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hide.parent), REPO])}
+    path = write_jsonl(tmp_path / "s.jsonl", [{"text": "One sentence. Another one."}] * 3)
+    base = [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", path, "--tokenizer-type",
+            "HFTokenizer", "--tokenizer-model", str(_hf_tokenizer(tmp_path)), "--workers", "2"]
+    run = subprocess.run(base + ["--split-sentences", "--output-prefix", str(tmp_path / "out/s")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stderr.splitlines() == [
+        "preprocess_data.py: error: --split-sentences needs nltk, which is not installed: pip install nltk (or "
+        "run without --split-sentences)"], run.stderr
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+    # Without --split-sentences nothing imports nltk, in the job or in its worker processes.
+    run = subprocess.run(base + ["--output-prefix", str(tmp_path / "d")], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    _, sequences = read_back(tmp_path / "d_text_document")
+    assert len(sequences) == 3 and all(sequences)
 
 
 def _hf_tokenizer(tmp_path):

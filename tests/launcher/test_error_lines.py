@@ -14,7 +14,7 @@ import pytest
 from megatron.training import errors
 from megatron.training.arguments import ConfigError
 from tests.data.common import make_dataset
-from tests.launcher.launch_utils import REPO, LiveLauncher, run_launcher
+from tests.launcher.launch_utils import REPO, TORCHRUN, LiveLauncher, run_launcher
 from tests.training.parallel_harness import TINY_GPT
 from zero_cache import SSDTierError
 
@@ -96,7 +96,7 @@ def test_empty_dataset_is_one_line_and_exit_2_under_torchrun_and_ptm_launch(tmp_
     """Both ranks hit the same error: printed once. torchrun exits 1 whatever the cause; ptm-launch exits 2."""
     make_dataset(tmp_path / "empty", [])
     line = f"pretrain_gpt.py: error: {tmp_path}/empty.bin/.idx holds no documents"
-    plain = subprocess.run(["torchrun", "--standalone", "--nproc-per-node", "2", "pretrain_gpt.py",
+    plain = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "pretrain_gpt.py",
                             *_real_data_args(tmp_path / "empty")], cwd=REPO, env={**os.environ, **CPU_ONLY},
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert plain.returncode == 1, plain.stdout
@@ -145,7 +145,7 @@ def test_a_killed_rank_under_plain_torchrun_and_ptm_launch():
                         r"( \(1 other rank\(s\) stopped because of it\))?", out.rstrip().splitlines()[-1]), out
     assert "ptm-launch: last " in out  # no line of its own: its node's last output lines are shown instead
 
-    torchrun = subprocess.Popen(["torchrun", "--standalone", "--nproc-per-node", "2", "pretrain_gpt.py", *args],
+    torchrun = subprocess.Popen([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "pretrain_gpt.py", *args],
                                 cwd=REPO, env={**os.environ, **CPU_ONLY}, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

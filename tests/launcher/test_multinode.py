@@ -19,6 +19,7 @@ import pytest
 from tests.launcher.launch_utils import (
     REPO,
     STANDIN,
+    TORCHRUN,
     LiveLauncher,
     gpt_losses_by_iteration,
     is_torchrun,
@@ -196,7 +197,7 @@ def _torchrun_pid(hosts: Hosts, namespace: str) -> int:
 def single_host_losses():
     """The uninterrupted run of _restart_args' model and data (without checkpoints) on one host, 4 ranks."""
     args = _restart_args(Path("unused"))[:-6]
-    single = subprocess.run(["torchrun", "--standalone", "--nproc-per-node", "4", "pretrain_gpt.py", *args],
+    single = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node", "4", "pretrain_gpt.py", *args],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert single.returncode == 0, single.stdout
     losses = gpt_losses_by_iteration(single.stdout)

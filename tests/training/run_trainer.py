@@ -23,8 +23,9 @@ def start(argv: list[str], nproc: int = 1) -> subprocess.Popen:
     if nproc == 1:
         cmd = [sys.executable, "pretrain_gpt.py", *argv]
     else:
-        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-        cmd = [torchrun, "--standalone", f"--nproc-per-node={nproc}", "pretrain_gpt.py", *argv]
+        # torchrun as a module: a venv over a GPU machine's own torch has no bin/torchrun.
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "pretrain_gpt.py", *argv]
     return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             bufsize=1)
 

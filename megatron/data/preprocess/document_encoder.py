@@ -16,7 +16,6 @@ import numpy as np
 
 from megatron.data.indexed_dataset import best_fitting_dtype
 from megatron.data.preprocess.jsonl_reader import RawChunk
-from megatron.data.preprocess.sentence_splitter import SentenceSplitter
 from megatron.tokenizer import TokenizerConfig, build_tokenizer
 
 
@@ -54,8 +53,11 @@ class DocumentEncoder:
         self.settings = settings
         self.tokenizer = build_tokenizer(settings.tokenizer)
         self.dtype = best_fitting_dtype(self.tokenizer.vocab_size)
-        self.splitter = (SentenceSplitter(settings.punkt_params, settings.keep_newlines)
-                         if settings.punkt_params is not None else None)
+        self.splitter = None
+        if settings.punkt_params is not None:
+            # nltk is optional: only --split-sentences needs it, and the job checked it is installed.
+            from megatron.data.preprocess.sentence_splitter import SentenceSplitter
+            self.splitter = SentenceSplitter(settings.punkt_params, settings.keep_newlines)
 
     def _texts(self, record, key: str) -> list[str]:
         if key not in record:

@@ -21,20 +21,32 @@ from megatron.data.indexed_dataset import best_fitting_dtype, install_dataset, m
 from megatron.data.preprocess.document_encoder import EncoderSettings
 from megatron.data.preprocess.jsonl_reader import expand_inputs, plan_partitions, read_chunks
 from megatron.data.preprocess.partition import BadInputError, PartitionJob, PartitionStats, run_partition
-from megatron.data.preprocess.sentence_splitter import installed_punkt_params, punkt_params_blob, train_punkt_params
 from megatron.tokenizer import build_tokenizer
 from megatron.training.arguments.tokenizer import tokenizer_config_from_args
 
 CHUNK_BYTES = 1 << 20
 
 
+def _sentence_splitter_module():
+    """The nltk-based splitter; nltk is imported only here, so preprocessing without sentences needs none."""
+    try:
+        from megatron.data.preprocess import sentence_splitter
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "nltk":
+            raise
+        raise ValueError("--split-sentences needs nltk, which is not installed: pip install nltk (or run "
+                         "without --split-sentences)") from None
+    return sentence_splitter
+
+
 def _punkt_params(args: argparse.Namespace, files: list[str]) -> bytes | None:
     if not args.split_sentences:
         return None
-    params = installed_punkt_params(args.lang)
+    splitter = _sentence_splitter_module()
+    params = splitter.installed_punkt_params(args.lang)
     if params is not None:
         print(f"splitting sentences with the installed nltk Punkt model for {args.lang}", file=sys.stderr)
-        return punkt_params_blob(params)
+        return splitter.punkt_params_blob(params)
     def texts():  # only the Punkt sample is parsed here; the workers parse everything else
         for chunk in read_chunks([s for part in plan_partitions(files, 1) for s in part], CHUNK_BYTES):
             for line in chunk.data.splitlines():
@@ -47,11 +59,11 @@ def _punkt_params(args: argparse.Namespace, files: list[str]) -> bytes | None:
                         yield record[key]
 
     start = time.perf_counter()
-    params, used = train_punkt_params(texts())
+    params, used = splitter.train_punkt_params(texts())
     print(f"nltk Punkt data for {args.lang} is not installed, and nothing is downloaded: trained Punkt on the "
           f"first {used / 1e6:.1f} MB of the input instead ({time.perf_counter() - start:.1f}s). To use the "
           f"pretrained model install it first: python -m nltk.downloader punkt_tab", file=sys.stderr)
-    return punkt_params_blob(params)
+    return splitter.punkt_params_blob(params)
 
 
 @dataclass
