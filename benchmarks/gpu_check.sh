@@ -1,198 +1,281 @@
 #!/usr/bin/env bash
-# One-GPU check for a freshly lent machine (written for one H200; under 10 minutes), then a summary table:
-#   1. pytest tests/cuda                       (CUDA-only paths: pinned shards, NCCL, SSD tier, copy streams, trainer)
-#   2. dense 1.3B, bf16, no offload, 20 iters  (tokens/s, TFLOP/s, MFU against PEAK_TFLOPS)
-#   3. torch.profiler trace of 3 steps with host offload: copy kernels concurrent with compute kernels
-#                                              (the share of copy time hidden)
-#   4. the planner's largest model of the hidden-8192 family on this GPU + host + disk, 3 steps
-#                                              (s/step, peak memory per tier)
+# One-GPU check for a GPU machine borrowed for a few minutes (one H200 in mind): six stages, each under its
+# own time limit, the limits summing to under 8 minutes; the summary is rewritten after every stage, so a run
+# cut short still brings back what it measured.
+#   setup     scripts/bootstrap.sh (keeps the machine's CUDA torch), else the machine's python3
+#   preflight the machine (GPU, driver, RAM, disk) and its measured bf16 matmul peak (benchmarks.matmul_peak)
+#   tests     pytest tests/cuda (the suite's CUDA paths; the rest of the suite is CPU + gloo)
+#   dense     1.3B GPT, bf16, one GPU: ours (pretrain_gpt.py --deepspeed) against FSDP2, the Megatron backend,
+#             our engine in the peers' loop, DeepSpeed ZeRO-3 if installed (benchmarks.gpu_peers)
+#   offload   the same 1.3B with parameters and optimizer states in pinned host memory: ours against FSDP2's
+#             CPUOffloadPolicy, each with a profiled step (copy time hidden under compute)
+#   maxscale  the planner's largest model of the hidden-4096 family: planned for the whole machine, trained 3
+#             steps for a slice of it (benchmarks.gpu_max_scale)
 #
-#   bash benchmarks/gpu_check.sh              # run; logs, plans, plots and summary.txt go to $OUT
-#   bash benchmarks/gpu_check.sh --dry-run    # print the commands and exit
+#   bash benchmarks/gpu_check.sh                      # run everything
+#   bash benchmarks/gpu_check.sh --dry-run            # print the plan (commands, caps, budget); touch nothing
+#   bash benchmarks/gpu_check.sh --stages tests,dense # only these stages
 #
-# Each stage has its own time limit and all of it fits GPU_CHECK_BUDGET_S (default 555 s; stage 4 gets
-# what the others leave); a failed or timed-out stage is reported in the table and the next one still
-# runs. Environment: OUT (where everything goes; default a new benchmarks/logs/gpu_check-<UTC time>/, which
-# git ignores), PEAK_TFLOPS (bf16 dense peak of the GPU for MFU, default 989: the H200 SXM datasheet
-# figure), NVME_PATH (SSD tier, default /tmp/zc_nvme).
+# Environment: OUT (the folder brought back: summary.md, figures.json, logs.txt; default the work folder),
+# GPU_CHECK_PYTHON (the python for every stage; no set-up), GPU_CHECK_CAPS (e.g. "tests=120,dense=100": other
+# caps in seconds; they must still sum to under 480), GPU_CHECK_DD_MIB (the disk write probe, default 512; 0:
+# none), NVME_PATH (the SSD tier's scratch folder; default: the first disk-backed one, see gpu_max_scale.py).
+# Raw logs, run folders and traces stay in the work folder, benchmarks/logs/gpu_check-<UTC time>/.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 2
 
+USAGE="usage: bash benchmarks/gpu_check.sh [--dry-run] [--stages setup,preflight,tests,dense,offload,maxscale]"
+ALL_STAGES=(setup preflight tests dense offload maxscale)
+LIMIT_S=480  # the device's 8 minutes for this command
+declare -A CAP=([setup]=30 [preflight]=20 [tests]=95 [dense]=140 [offload]=115 [maxscale]=65)
+declare -A TITLE=([setup]="0 set-up" [preflight]="1 preflight: machine, matmul peak" [tests]="2 pytest tests/cuda"
+                  [dense]="3 dense 1.3B bf16: ours vs FSDP2" [offload]="4 host offload 1.3B bf16: ours vs FSDP2"
+                  [maxscale]="5 planner's largest model, 3 steps")
+
 DRY_RUN=0
-case "${1:-}" in
-  --dry-run) DRY_RUN=1 ;;
-  "") ;;
-  *) echo "usage: bash benchmarks/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
-esac
+ARGS="$*"
+SELECTED=("${ALL_STAGES[@]}")
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY_RUN=1 ;;
+    --stages)
+      [ $# -ge 2 ] || { echo "$USAGE" >&2; exit 2; }
+      IFS=, read -r -a SELECTED <<<"$2"
+      for s in "${SELECTED[@]}"; do
+        [ -n "${CAP[$s]:-}" ] || { echo "gpu_check.sh: unknown stage '$s'; stages: ${ALL_STAGES[*]}" >&2; exit 2; }
+      done
+      shift ;;
+    -h|--help) echo "$USAGE"; exit 0 ;;
+    *) echo "$USAGE" >&2; exit 2 ;;
+  esac
+  shift
+done
 
-PEAK_TFLOPS="${PEAK_TFLOPS:-989}"
-BUDGET_S="${GPU_CHECK_BUDGET_S:-555}"
-T_BOOT=60     # stage caps, seconds; stage 4 gets whatever is left of BUDGET_S
-T_TESTS=170
-T_DENSE=140
-T_PLAN=45
-T_OVERLAP=90
-NVME_PATH="${NVME_PATH:-/tmp/zc_nvme}"
-WORK="${OUT:-$ROOT/benchmarks/logs/gpu_check-$(date -u +%Y%m%d-%H%M%S)}"  # created only when not a dry run
-PY=python
-SYS_PY="$(command -v python3)"  # the machine's own python3, resolved before the venv is on PATH
-NOTES=()
+if [ -n "${GPU_CHECK_CAPS:-}" ]; then
+  IFS=, read -r -a pairs <<<"$GPU_CHECK_CAPS"
+  for kv in "${pairs[@]}"; do
+    k="${kv%%=*}" v="${kv#*=}"
+    if [ -z "${CAP[$k]:-}" ] || ! [[ "$v" =~ ^[0-9]+$ ]] || [ "$v" -lt 1 ]; then
+      echo "gpu_check.sh: GPU_CHECK_CAPS takes stage=seconds pairs (stages: ${ALL_STAGES[*]}), got '$kv'" >&2; exit 2
+    fi
+    CAP[$k]=$v
+  done
+fi
+selected() { local s; for s in "${SELECTED[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
+BUDGET=0
+for s in "${ALL_STAGES[@]}"; do selected "$s" && BUDGET=$((BUDGET + CAP[$s])); done
+if [ "$BUDGET" -ge "$LIMIT_S" ]; then
+  echo "gpu_check.sh: the stage caps sum to ${BUDGET} s, not under the ${LIMIT_S} s limit; lower GPU_CHECK_CAPS" >&2
+  exit 2
+fi
+
+WORK="$ROOT/benchmarks/logs/gpu_check-$(date -u +%Y%m%d-%H%M%S)"  # git ignores benchmarks/logs/
+OUT_DIR="${OUT:-$WORK}"
+SYS_PY="$(command -v python3)"  # the machine's python3, resolved before any venv is on PATH; also writes the record
+PY="${GPU_CHECK_PYTHON:-python}"
+DD_MIB="${GPU_CHECK_DD_MIB:-512}"
+[[ "$DD_MIB" =~ ^[0-9]+$ ]] || { echo "gpu_check.sh: GPU_CHECK_DD_MIB must be a number of MiB (0: no disk probe)" >&2; exit 2; }
 START=$SECONDS
+DEADLINE=$((START + LIMIT_S - 5))  # no stage runs past this, whatever its cap
+HAS_CUDA=1
 
-show() { printf '+ %s\n' "$*"; }  # the command, words joined by spaces
+show() {  # the command as one line, words with spaces quoted
+  local w line=""
+  for w in "$@"; do
+    [[ "$w" =~ [[:space:]] ]] && w="'$w'"
+    line+="${line:+ }$w"
+  done
+  printf '+ %s\n' "$line"
+}
+report() { "$SYS_PY" -m benchmarks.gpu_check_report --state "$OUT_DIR/figures.json" --summary "$OUT_DIR/summary.md" \
+             --logs "$OUT_DIR/logs.txt" "$@"; }
 
-# ---- environment: the project's venv (keeps the machine's CUDA torch), else the machine's python3 ----
-if [ "$DRY_RUN" = 1 ]; then
-  echo "+ source scripts/bootstrap.sh dev"
-else
-  mkdir -p "$WORK" "$NVME_PATH"
-  boot_log="$WORK/bootstrap.log"
-  # A machine with no package index fails the pip step quickly instead of retrying.
-  if PIP_RETRIES=0 PIP_TIMEOUT=5 timeout "$T_BOOT" bash -c 'source scripts/bootstrap.sh dev' >"$boot_log" 2>&1; then
-    # shellcheck disable=SC1091
-    source scripts/bootstrap.sh dev
-    set +e  # bootstrap sets -e; this script reports failures itself
-  else
-    PY="$SYS_PY"
-    NOTES+=("bootstrap failed (see $boot_log: $(tail -n 1 "$boot_log" | cut -c1-100)); using the machine's python3")
-  fi
-  has_cuda='import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'
-  if [ "$PY" != "$SYS_PY" ] && ! "$PY" -c "$has_cuda" 2>/dev/null && "$SYS_PY" -c "$has_cuda" 2>/dev/null; then
-    PY="$SYS_PY"
-    NOTES+=("the venv's torch sees no GPU; using the machine's python3")
-  fi
-  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-  "$PY" -c 'import sys, torch
-ok = torch.cuda.is_available()
-name = torch.cuda.get_device_name(0) if ok else "no CUDA device"
-print(f"python {sys.version.split()[0]}, torch {torch.__version__}, {name}")' || NOTES+=("torch does not import")
-fi
-TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node 1)  # torchrun, with this python
-
-ROWS=()
-add_row() { ROWS+=("$(printf '%-26s %-12s %6s  %s' "$1" "$2" "$3" "$4")"); }
-
-# run_stage LOG LIMIT_S CMD...: runs CMD under a time limit with its output in LOG; sets RC and SECS.
-run_stage() {
-  local log="$1" limit="$2"
+# A stage: begin_stage NAME sets LOG and STAGE_END (its cap, or the deadline if sooner); run_cmd runs one command
+# under what is left of it; end_stage records the row and rewrites the summary.
+begin_stage() {
+  STAGE="$1" LOG="$WORK/$1.log" T0=$SECONDS
+  local cap="${CAP[$1]}"
+  STAGE_END=$((SECONDS + cap))
+  [ "$STAGE_END" -gt "$DEADLINE" ] && STAGE_END=$DEADLINE
+  if [ "$DRY_RUN" = 1 ]; then echo; echo "== stage ${TITLE[$1]} (cap ${cap} s) =="; return; fi
+  echo "== stage ${TITLE[$1]}: up to $((STAGE_END - SECONDS)) s ($(date -u +%H:%M:%S)) ==" | tee -a "$LOG"
+}
+left() { local n=$((STAGE_END - SECONDS)); [ "$n" -lt 1 ] && n=1; echo "$n"; }
+budget() { local n=$(($(left) - $1)); [ "$n" -lt 1 ] && n=1; echo "$n"; }  # what is left less a reserve
+run_cmd() {  # run_cmd CMD...: the command, output appended to the stage's log; its exit code (124: time limit)
+  if [ "$DRY_RUN" = 1 ]; then show "$@"; return 0; fi
+  show "$@" >>"$LOG"
+  timeout --kill-after=3 "$(left)" "$@" >>"$LOG" 2>&1
+}
+end_stage() {  # end_stage RC KIND [report stage options...]
+  local rc="$1" kind="$2"
   shift 2
-  if [ "$DRY_RUN" = 1 ]; then show "$@"; RC=0; SECS=0; return; fi
-  show "$@" | tee -a "$log"
-  local t0=$SECONDS
-  timeout --kill-after=20 "$limit" "$@" >>"$log" 2>&1
-  RC=$?
-  SECS=$((SECONDS - t0))
+  [ "$DRY_RUN" = 1 ] && return 0
+  report stage --name "$STAGE" --title "${TITLE[$STAGE]}" --rc "$rc" --seconds $((SECONDS - T0)) \
+    --cap "${CAP[$STAGE]}" --kind "$kind" --log "$LOG" "$@" || echo "gpu_check.sh: could not write the record" >&2
+  grep -F "| ${TITLE[$STAGE]} |" "$OUT_DIR/summary.md" 2>/dev/null | cut -c1-400
 }
-
-status_of() {  # status_of RC
-  case "$1" in 0) echo PASS ;; 124|137) echo TIMEOUT ;; *) echo "FAIL(rc=$1)" ;; esac
+skip_stage() {  # skip_stage KIND WHY [report stage options...]: the row says SKIPPED and why
+  local kind="$1" why="$2"
+  shift 2
+  if [ "$DRY_RUN" = 1 ]; then echo "  (skipped where no GPU is seen)"; return 0; fi
+  echo "$why" >>"$LOG"
+  report stage --name "$STAGE" --title "${TITLE[$STAGE]}" --rc 0 --seconds $((SECONDS - T0)) \
+    --cap "${CAP[$STAGE]}" --kind "$kind" --status SKIPPED --figures "$why" --log "$LOG" "$@" >/dev/null
 }
+has_cuda() { "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; }
 
-last_error() {  # the most telling line of a failed run's log
-  grep -E "Error|error:|Traceback|Killed|out of memory|FAILED" "$1" 2>/dev/null | tail -n 1 | cut -c1-140
-}
-
-# figures LOG KIND: the stage's numbers from its training log (tools/plot_run.py --summary).
-figures() {
-  "$PY" - "$1" "$2" "$PEAK_TFLOPS" <<'PYEOF'
-import json, re, subprocess, sys
-log, kind, peak = sys.argv[1], sys.argv[2], float(sys.argv[3])
-out = subprocess.run([sys.executable, "tools/plot_run.py", log, "--summary"], capture_output=True, text=True)
-if out.returncode:
-    print(out.stderr.strip().splitlines()[-1][:140] if out.stderr.strip() else "no log lines")
-    sys.exit(0)
-s = json.loads(out.stdout.splitlines()[-1])
-model = re.search(r"> model: ([0-9.]+)M parameters", open(log, errors="replace").read())
-millions = float(model.group(1)) if model else 0.0
-size = (f"{millions / 1e3:.2f}B params, " if millions >= 1e3 else f"{millions:.1f}M params, ") if model else ""
-if kind == "dense":
-    print(f"{size}{s['step_time_s']:.3f} s/step, {s['tokens_per_s']:,.0f} tokens/s, {s['tflops']:.1f} TFLOP/s, "
-          f"MFU {100 * s['tflops'] / peak:.1f}% of {peak:.0f} TFLOP/s bf16 dense peak")
-else:
-    peaks = ", ".join(f"{k} {v:.1f}" for k, v in sorted(s["peak_memory_gib"].items()))
-    print(f"{size}{s['step_time_s']:.1f} s/step (after iteration {s['first_iteration']}); "
-          f"peak GiB: {peaks}")
-PYEOF
-}
-
-plot() {  # plot LOG PNG
-  [ "$DRY_RUN" = 1 ] && { show "$PY" tools/plot_run.py "$1" -o "$2"; return; }
-  "$PY" tools/plot_run.py "$1" -o "$2" >/dev/null 2>&1 || NOTES+=("no plot for $1")
-}
-
-report_train() {  # report_train LOG NAME LABEL SECONDS: plot the run and add its row (figures, or the error)
-  plot "$1" "$WORK/$2.png"
-  [ "$DRY_RUN" = 0 ] || return 0
-  local fig
-  fig="$(figures "$1" "$2")"
-  [ "$RC" = 0 ] || fig="$(last_error "$1") | $fig"
-  add_row "$3" "$(status_of "$RC")" "$4" "$fig"
-}
-
-# ---- 1. CUDA-only tests ------------------------------------------------------------------------------
-log="$WORK/tests.log"
-run_stage "$log" "$T_TESTS" "$PY" -m pytest tests/cuda -q -rs
-if [ "$DRY_RUN" = 0 ]; then
-  result="$(grep -E '[0-9]+ (passed|failed|skipped|errors?)' "$log" | tail -n 1 | tr -d '=' | sed 's/^ *//')"
-  status="$(status_of "$RC")"
-  if [ "$RC" = 0 ] && ! grep -q ' passed' <<<"$result"; then status=SKIPPED; fi  # no GPU seen
-  add_row "1 pytest tests/cuda" "$status" "${SECS}s" "${result:-$(last_error "$log")}"
-fi
-
-# ---- 2. dense 1.3B, bf16, no offload ------------------------------------------------------------------
-DENSE=(--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192
-       --seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 4 --global-batch-size 4
-       --train-iters 20 --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 2
-       --weight-decay 0.1 --clip-grad 1.0 --bf16 --hidden-dropout 0 --attention-dropout 0
-       --mock-data --tokenizer-type NullTokenizer --vocab-size 32000
-       --log-interval 5 --eval-iters 0 --num-workers 2)
-log="$WORK/dense.log"
-run_stage "$log" "$T_DENSE" "${TORCHRUN[@]}" pretrain_gpt.py "${DENSE[@]}"
-report_train "$log" dense "2 dense 1.3B bf16 x20" "${SECS}s"
-
-# ---- 3. copies concurrent with compute: a profiler trace of 3 steps with host offload ---------------------
-log="$WORK/overlap.log"
-run_stage "$log" "$T_OVERLAP" "$PY" -m benchmarks.profile_overlap --out "$WORK/overlap"
-if [ "$DRY_RUN" = 0 ]; then
-  fig="$(grep -E '^overlap: [0-9]' "$log" | tail -n 1 | cut -c10-150)"
-  [ "$RC" = 0 ] || fig="$(grep -E 'FAIL|Error|error' "$log" | tail -n 1 | cut -c1-140) | $fig"
-  add_row "3 copy/compute overlap" "$(status_of "$RC")" "${SECS}s" "$fig"
-fi
-
-# ---- 4. the planner's largest model on this GPU + host + disk, 3 steps -------------------------------
-log="$WORK/maxscale.log"
-PLAN=(tools/plan_memory.py --device cuda --num-layers 1 --hidden-size 8192 --num-attention-heads 64
-      --ffn-hidden-size 32768 --seq-length 2048 --vocab-size 32000 --largest --nproc-per-node 1
-      --nvme-path "$NVME_PATH" --write-ds-config "$WORK/maxscale.json" --write-args "$WORK/maxscale.args")
-run_stage "$log" "$T_PLAN" "$PY" "${PLAN[@]}"
-plan_rc=$RC plan_secs=$SECS
-MAX_ARGS=()
 if [ "$DRY_RUN" = 1 ]; then
-  MAX_ARGS=("\$(cat $WORK/maxscale.args)")
-elif [ "$plan_rc" = 0 ] && [ -s "$WORK/maxscale.args" ]; then
-  mapfile -t MAX_ARGS <"$WORK/maxscale.args"
-fi
-if [ "$DRY_RUN" = 1 ] || [ ${#MAX_ARGS[@]} -gt 0 ]; then
-  left=$((BUDGET_S - (SECONDS - START)))
-  [ "$left" -lt 60 ] && left=60
-  MAXSCALE=("${MAX_ARGS[@]}" --train-iters 3 --deepspeed --deepspeed_config "$WORK/maxscale.json"
-            --lr 1e-4 --mock-data --tokenizer-type NullTokenizer --vocab-size 32000
-            --log-interval 1 --eval-iters 0 --num-workers 2)
-  run_stage "$log" "$left" "${TORCHRUN[@]}" pretrain_gpt.py "${MAXSCALE[@]}"
-  report_train "$log" maxscale "4 planner max-scale x3" "$((plan_secs + SECS))s"
+  echo "gpu_check plan: stages ${SELECTED[*]}; caps sum to ${BUDGET} s (limit ${LIMIT_S} s); brought back: \
+$OUT_DIR/{summary.md,figures.json,logs.txt}; raw logs: $WORK"
+  [ -z "${GPU_CHECK_PYTHON:-}" ] && echo "('python' below: the interpreter the set-up stage chooses)"
 else
-  add_row "4 planner max-scale x3" "$(status_of "$plan_rc")" "${plan_secs}s" "planner: $(tail -n 1 "$log" | cut -c1-140)"
+  mkdir -p "$WORK" "$OUT_DIR" || exit 2
+  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+  report init --budget "$BUDGET" --command "bash benchmarks/gpu_check.sh${ARGS:+ $ARGS}" || exit 2
 fi
 
-[ "$DRY_RUN" = 1 ] && exit 0
+# ---- setup: the project's venv, keeping the machine's CUDA torch; else the machine's python3 -------------------
+venv_py="${PTM_VENV:-$ROOT/.venv}/bin/python"
+if selected setup && [ -n "${GPU_CHECK_PYTHON:-}" ]; then
+  begin_stage setup
+  [ "$DRY_RUN" = 1 ] && echo "  (GPU_CHECK_PYTHON=$PY: no set-up)"
+  end_stage 0 setup --figures "$PY (GPU_CHECK_PYTHON)"
+elif selected setup; then
+  begin_stage setup
+  # A machine with no package index fails the pip step fast instead of retrying.
+  run_cmd env PIP_RETRIES=0 PIP_TIMEOUT=5 bash -c 'source scripts/bootstrap.sh dev'
+  rc=$?
+  if [ "$DRY_RUN" = 0 ]; then
+    if [ "$rc" = 0 ] && has_cuda "$venv_py"; then
+      PY="$venv_py" why="the project's venv"
+    elif has_cuda "$SYS_PY"; then
+      PY="$SYS_PY"
+      why="the machine's python3: $([ "$rc" = 0 ] && echo "the venv's torch sees no GPU" || \
+        echo "bootstrap exit $rc: $(grep -v -e '^+ ' -e '^== ' "$LOG" | tail -n 1 | cut -c1-120)")"
+    elif [ "$rc" = 0 ]; then
+      PY="$venv_py" why="the project's venv (no python here sees a GPU)"
+    else
+      PY="$SYS_PY" why="the machine's python3 (bootstrap exit $rc; no python here sees a GPU)"
+    fi
+    report note "python for every stage: $PY ($why)"
+    # The set-up is done when a python is chosen: a failed bootstrap with a working fallback is not a failure.
+    end_stage 0 setup --figures "$PY ($why)"
+  fi
+elif [ -z "${GPU_CHECK_PYTHON:-}" ]; then
+  if [ -x "$venv_py" ] && has_cuda "$venv_py"; then PY="$venv_py"; else PY="$SYS_PY"; fi
+fi
+if [ "$DRY_RUN" = 0 ]; then  # one probe of the chosen python: its versions for the record, and whether it sees a GPU
+  "$PY" -c 'import sys, torch
+print(f"python={sys.version.split()[0]}\ntorch={torch.__version__}")
+sys.exit(0 if torch.cuda.is_available() else 3)' >>"$WORK/machine.txt" 2>>"$WORK/setup.log"
+  case $? in
+    0) ;;
+    3) HAS_CUDA=0; report note "$PY sees no CUDA device: the GPU stages are skipped" ;;
+    *) HAS_CUDA=0; report note "torch does not import in $PY (see setup.log): the GPU stages are skipped" ;;
+  esac
+  report machine "$WORK/machine.txt"
+fi
 
-# ---- summary -------------------------------------------------------------------------------------------
-{
+# ---- preflight: what the machine is, and its own bf16 matmul peak (MFU's denominator) -------------------------
+if selected preflight; then
+  begin_stage preflight
+  if [ "$DRY_RUN" = 1 ]; then
+    echo "  (the machine: nvidia-smi, nproc, /proc/meminfo, stat -f /tmp, then the disk's write speed)"
+    show nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    show dd if=/dev/zero of="$WORK/dd.tmp" bs=1M count="$DD_MIB" oflag=direct conv=fsync
+  else
+    {
+      IFS=, read -r name driver mem < <(timeout 10 nvidia-smi --query-gpu=name,driver_version,memory.total \
+        --format=csv,noheader 2>/dev/null | head -n 1)
+      echo "gpu_name=$(echo "${name:-}" | xargs)"
+      echo "driver=$(echo "${driver:-?}" | xargs)"
+      echo "gpu_memory=$(echo "${mem:-}" | xargs)"
+      echo "cores=$(nproc)"
+      awk '/^MemTotal/ {printf "ram_total_gib=%.0f\n", $2 / 1048576}
+           /^MemAvailable/ {printf "ram_available_gib=%.0f\n", $2 / 1048576}' /proc/meminfo
+      echo "tmp_fstype=$(stat -f -c %T /tmp 2>/dev/null)"
+      if [ "$DD_MIB" -gt 0 ]; then  # the disk the SSD tier uses by default (benchmarks/logs/)
+        dd_out="$(timeout 15 dd if=/dev/zero of="$WORK/dd.tmp" bs=1M count="$DD_MIB" oflag=direct conv=fsync 2>&1 |
+          tail -n 1)"
+        rm -f "$WORK/dd.tmp"
+        echo "disk_write=$(sed -nE 's/.*, ([0-9.,]+ [kMGT]?B\/s)$/\1/p' <<<"$dd_out")"
+        echo "disk_write_where=benchmarks/logs ($(stat -f -c %T "$WORK" 2>/dev/null), dd $DD_MIB MiB O_DIRECT)"
+      fi
+    } >>"$WORK/machine.txt" 2>>"$LOG"
+    cat "$WORK/machine.txt" >>"$LOG"
+    report machine "$WORK/machine.txt"
+  fi
+  if [ "$HAS_CUDA" = 1 ]; then
+    run_cmd "$PY" -m benchmarks.matmul_peak --json "$WORK/peak.json"
+    end_stage $? preflight --result "$WORK/peak.json"
+  else
+    skip_stage preflight "no CUDA device seen by $PY: no matmul peak"
+  fi
+fi
+
+# ---- tests: the suite's CUDA-only paths ------------------------------------------------------------------------
+if selected tests; then
+  begin_stage tests
+  XDIST=()
+  # Four workers on the one GPU: the tests are small, most of their time is process start-up and NCCL set-up.
+  if [ "$DRY_RUN" = 1 ] || "$PY" -c 'import xdist' >/dev/null 2>&1; then XDIST=(-n 4); fi
+  run_cmd "$PY" -m pytest tests/cuda -q -rs -p no:cacheprovider "${XDIST[@]}" --timeout 80
+  end_stage $? tests
+fi
+
+# ---- dense and offload: ours against FSDP2 (and DeepSpeed where installed) on the same model and batches ----------
+PEAK_ARGS=()
+if [ "$DRY_RUN" = 1 ] || [ -s "$WORK/peak.json" ]; then PEAK_ARGS=(--peak-json "$WORK/peak.json"); fi
+if selected dense; then
+  begin_stage dense
+  if [ "$HAS_CUDA" = 1 ]; then
+    # The driver shares its budget among its jobs; 10 s of the cap are its own start-up and the record.
+    run_cmd "$PY" -m benchmarks.gpu_peers --preset 1.3b --dtype bf16 \
+      --systems ours-trainer fsdp2 megatron deepspeed ours --warmup 2 --steps 6 \
+      --budget-s "$(budget 10)" --job-timeout-s 70 --min-job-s 30 "${PEAK_ARGS[@]}" --run-dir "$WORK/dense" \
+      --json "$WORK/dense.json"
+    end_stage $? peers --result "$WORK/dense.json"
+  else
+    skip_stage peers "no CUDA device seen by $PY"
+  fi
+fi
+if selected offload; then
+  begin_stage offload
+  REF_ARGS=()
+  if [ "$DRY_RUN" = 1 ] || [ -s "$WORK/dense.json" ]; then REF_ARGS=(--reference-from "$WORK/dense.json"); fi
+  if [ "$HAS_CUDA" = 1 ]; then
+    run_cmd "$PY" -m benchmarks.gpu_peers --preset 1.3b --dtype bf16 \
+      --systems ours-offload fsdp2-offload deepspeed-offload --warmup 1 --steps 3 --profile-steps 1 \
+      --budget-s "$(budget 10)" --job-timeout-s 70 --min-job-s 40 "${PEAK_ARGS[@]}" "${REF_ARGS[@]}" \
+      --run-dir "$WORK/offload" --json "$WORK/offload.json"
+    end_stage $? peers --result "$WORK/offload.json"
+  else
+    skip_stage peers "no CUDA device seen by $PY"
+  fi
+fi
+
+# ---- maxscale: the planner's largest model on GPU + host + disk ---------------------------------------------------
+if selected maxscale; then
+  begin_stage maxscale
+  NVME_ARGS=()
+  [ -n "${NVME_PATH:-}" ] && NVME_ARGS=(--nvme-path "$NVME_PATH")
+  if [ "$HAS_CUDA" = 1 ]; then
+    run_cmd "$PY" -m benchmarks.gpu_max_scale --family 4096,32,16384 --seq 2048 --slice-device-gib 16 \
+      --slice-host-gib 10 --slice-disk-gib 4 --host-fraction 0.6 --steps 3 "${NVME_ARGS[@]}" \
+      --budget-s "$(budget 15)" --json "$WORK/maxscale.json"
+    end_stage $? maxscale --result "$WORK/maxscale.json"
+  else
+    skip_stage maxscale "no CUDA device seen by $PY"
+  fi
+fi
+
+if [ "$DRY_RUN" = 1 ]; then
   echo
-  echo "==================== gpu_check summary ($((SECONDS - START))s; MFU against ${PEAK_TFLOPS} TFLOP/s) ===================="
-  printf '%-26s %-12s %6s  %s\n' stage status time result
-  printf '%s\n' "${ROWS[@]}"
-  for n in "${NOTES[@]}"; do echo "note: $n"; done
-  echo "logs: $WORK"
-} | tee "$WORK/summary.txt"
+  echo "total: caps sum to ${BUDGET} s of the ${LIMIT_S} s limit; the summary is rewritten after every stage"
+  exit 0
+fi
+report note "raw logs, run folders and profiler traces (not brought back): $WORK"
+echo
+cat "$OUT_DIR/summary.md"

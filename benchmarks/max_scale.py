@@ -54,7 +54,17 @@ from dataclasses import asdict, dataclass, field
 
 import psutil
 
-from benchmarks.peer_workers.harness import BETAS, EPS, LOGS_DIR, PEERS_PYTHON, RESULTS_DIR, ROOT, BenchSpec, worker_env
+from benchmarks.peer_workers.harness import (
+    BETAS,
+    EPS,
+    LOGS_DIR,
+    PEERS_PYTHON,
+    RESULTS_DIR,
+    ROOT,
+    BenchSpec,
+    kill_tree,
+    worker_env,
+)
 from megatron.training.config import padded_vocab_size
 from ptm_planner.plan import OFFLOADS
 from tools.plot_run import LogParseError, parse_log
@@ -142,7 +152,7 @@ def _run_job(cmd: list[str], log_path: str, nvme: str, timeout_s: float, env: di
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
+            kill_tree(proc.pid)  # the whole tree: torchrun starts each rank in a session of its own
             rc = proc.wait()
             log.write(f"\n[max_scale] killed after {timeout_s:.0f} s\n")
         mem, disk = mon.stop()

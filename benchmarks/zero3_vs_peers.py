@@ -23,7 +23,6 @@ import datetime
 import json
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
@@ -33,7 +32,15 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.peer_workers.harness import LOGS_DIR, PEERS_PYTHON, RESULTS_DIR, ROOT, BenchSpec, worker_env
+from benchmarks.peer_workers.harness import (
+    LOGS_DIR,
+    PEERS_PYTHON,
+    RESULTS_DIR,
+    ROOT,
+    BenchSpec,
+    kill_tree,
+    worker_env,
+)
 
 PRESETS = {  # layers, hidden, heads, vocab
     "tiny": (2, 256, 4, 8192),
@@ -202,17 +209,15 @@ def run_system(system: System, spec_path: str, spec: BenchSpec, a: argparse.Name
     with open(log_path, "w", encoding="utf-8") as log:
         log.write(" ".join(cmd) + "\n")
         log.flush()
-        # Own session: a timeout ends this job's whole process group (torchrun and its ranks), nothing else.
+        # Own session; a timeout ends the job's whole process tree (torchrun starts each rank in a session of its
+        # own, so its process group is not enough).
         proc = subprocess.Popen(cmd, cwd=ROOT, env=worker_env(spec.threads), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         timed_out = threading.Event()
 
         def kill() -> None:
             timed_out.set()
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:  # it ended just now
-                pass
+            kill_tree(proc.pid)
 
         timer = threading.Timer(a.timeout, kill)
         timer.start()

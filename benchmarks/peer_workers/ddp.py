@@ -6,14 +6,20 @@ import contextlib
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from .harness import BETAS, EPS, BenchSpec, param_groups
+from .harness import BETAS, EPS, BenchSpec, compute_device, param_groups
 
 
 class DdpTrainer:
     def __init__(self, model: torch.nn.Module, spec: BenchSpec, gas: int, offload: bool):
         if offload:
             raise ValueError("DDP has no CPU offload; run it without --offload")
-        self.model, self.gas, self.clip = DistributedDataParallel(model), gas, spec.clip_grad
+        if spec.dtype != "fp32":
+            # The fp32 reference; in bf16 the trainer's Megatron backend (fp32 main grads) is the reference.
+            raise ValueError(f"DDP is the fp32 loss reference; it does not run {spec.dtype}")
+        device = compute_device(spec)
+        model = model.to(device)
+        self.model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        self.gas, self.clip = gas, spec.clip_grad
         self.optimizer = torch.optim.AdamW(param_groups(model, spec.weight_decay), lr=spec.lr, betas=BETAS, eps=EPS,
                                            fused=True)
 

@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO-3 on its CPU accelerator (DS_ACCELERATOR=cpu, gloo), given the same JSON as ours."""
+"""DeepSpeed ZeRO-3, given the same JSON as ours: on its CPU accelerator (DS_ACCELERATOR=cpu, gloo), or on one
+GPU per rank (DS_ACCELERATOR=cuda, NCCL) where DeepSpeed is installed."""
 from __future__ import annotations
 
 import deepspeed
@@ -12,10 +13,12 @@ class DeepSpeedTrainer:
     @staticmethod
     def build_model(spec: BenchSpec, offload: bool) -> torch.nn.Module:
         """Under deepspeed.zero.Init (DeepSpeed's way for ZeRO-3): each module is partitioned as it is created."""
-        deepspeed.init_distributed(dist_backend="gloo")  # adopts the process group the harness created
+        # Adopts the process group the harness created.
+        deepspeed.init_distributed(dist_backend="nccl" if spec.device == "cuda" else "gloo")
         config = spec.ds_config(dist.get_world_size(), offload)
         remote = spec.offload_device if offload else None
-        with deepspeed.zero.Init(config_dict_or_path=config, remote_device=remote, pin_memory=False):
+        with deepspeed.zero.Init(config_dict_or_path=config, remote_device=remote,
+                                 pin_memory=offload and spec.device == "cuda"):
             return build_model(spec)
 
     def __init__(self, model: torch.nn.Module, spec: BenchSpec, gas: int, offload: bool):

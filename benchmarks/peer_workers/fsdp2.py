@@ -1,21 +1,27 @@
-"""PyTorch FSDP2 (``fully_shard`` per transformer layer, then the root), optionally with CPUOffloadPolicy."""
+"""PyTorch FSDP2 (``fully_shard`` per transformer layer, then the root), optionally with CPUOffloadPolicy; in
+bf16 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32 sharded parameters."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from .harness import BETAS, EPS, BenchSpec, param_groups
 
 
 class Fsdp2Trainer:
     def __init__(self, model: torch.nn.Module, spec: BenchSpec, gas: int, offload: bool):
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        policy = CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()
+        cuda = spec.device == "cuda"
+        # fully_shard moves the (CPU-built) model to the mesh's device, or keeps the shards on the host with
+        # CPUOffloadPolicy, pinned where a GPU copies from them.
+        mesh = init_device_mesh("cuda" if cuda else "cpu", (dist.get_world_size(),))
+        policy = CPUOffloadPolicy(pin_memory=cuda) if offload else OffloadPolicy()
+        mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if spec.dtype == "bf16" else MixedPrecisionPolicy()
         for layer in model.decoder.layers:
-            fully_shard(layer, mesh=mesh, offload_policy=policy)
-        fully_shard(model, mesh=mesh, offload_policy=policy)  # embedding, final norm and the tied head
+            fully_shard(layer, mesh=mesh, offload_policy=policy, mp_policy=mixed)
+        fully_shard(model, mesh=mesh, offload_policy=policy, mp_policy=mixed)  # embedding, final norm, tied head
         self.model, self.gas, self.clip = model, gas, spec.clip_grad
         # Groups are built after sharding: fully_shard replaces the parameters with DTensor shards.
         self.optimizer = torch.optim.AdamW(param_groups(model, spec.weight_decay), lr=spec.lr, betas=BETAS, eps=EPS,

@@ -3,7 +3,9 @@
 Every system trains the same GPTModel (tensor/pipeline size 1, seeded per-parameter init, no dropout) on
 the same synthetic tokens with the same optimizer hyper-parameters, so their losses must agree; only the
 data-parallel machinery differs. A system is a ``Trainer``: ``micro_batch`` runs forward and backward of one
-micro-batch and, on the last micro-batch of a global batch, the optimizer update.
+micro-batch and, on the last micro-batch of a global batch, the optimizer update. ``BenchSpec.device`` picks
+CPU + gloo (the default) or one GPU per rank + NCCL; ``BenchSpec.dtype`` fp32 or bf16 compute (fp32 master
+weights and optimizer states either way).
 """
 from __future__ import annotations
 
@@ -36,6 +38,22 @@ def worker_env(threads: int) -> dict[str, str]:
     env.setdefault("DS_ACCELERATOR", "cpu")
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/ptm/torch_extensions"))
     return env
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a job and everything under it. Killing a torchrun's process group is not enough: it starts each
+    rank in a session of its own, and a rank left behind would keep its GPU memory."""
+    try:
+        root = psutil.Process(pid)
+        procs = root.children(recursive=True) + [root]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=30)
+
 
 BETAS = (0.9, 0.95)
 EPS = 1e-8
@@ -73,6 +91,10 @@ class BenchSpec:
     # 0: Zipf tokens (synthetic_tokens). N: the samples `pretrain_gpt.py --mock-data --tokenizer-type
     # NullTokenizer --vocab-size N` trains on (ids below N, eod N), so a system here sees the trainer's batches.
     mock_data_vocab: int = 0
+    device: str = "cpu"  # cpu (gloo) | cuda (NCCL, the GPU of LOCAL_RANK)
+    dtype: str = "fp32"  # fp32 | bf16: the compute precision; masters and optimizer states stay fp32
+    # Steps after the timed ones run under torch.profiler; the trace's copy/compute overlap goes into the result.
+    profile_steps: int = 0
 
     @classmethod
     def load(cls, path: str) -> "BenchSpec":
@@ -94,7 +116,9 @@ class BenchSpec:
         zero: dict = {"stage": 3, "allgather_bucket_size": self.page_size, "sub_group_size": self.sub_group_size,
                       **self.zero_keys}
         if offload:
-            where = {"device": self.offload_device, "pin_memory": False}
+            # Pinned host buffers only where there is a bus to copy over: a GPU's DMA needs them, a CPU run
+            # would only lock pages.
+            where = {"device": self.offload_device, "pin_memory": self.device == "cuda"}
             if self.offload_device == "nvme":
                 where["nvme_path"] = self.nvme_path
             zero["offload_optimizer"] = dict(where)
@@ -103,7 +127,9 @@ class BenchSpec:
                 zero["offload_param"]["buffer_size"] = self.param_buffer_size
             if self.param_max_in_cpu >= 0:
                 zero["offload_param"]["max_in_cpu"] = self.param_max_in_cpu
+        precision = {"bf16": {"enabled": True}} if self.dtype == "bf16" else {}
         return {
+            **precision,
             "train_batch_size": self.global_batch,
             "train_micro_batch_size_per_gpu": self.micro_batch,
             "gradient_accumulation_steps": self.grad_accumulation(world),
@@ -128,10 +154,10 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
 
 
-def build_model(spec: BenchSpec) -> torch.nn.Module:
-    """Our GPTModel on one tensor/pipeline rank; every rank builds the same weights (seeded by name).
-
-    A system that builds the model its own way (sharded while it is created) wraps this call."""
+def build_model(spec: BenchSpec, precision: str = "fp32") -> torch.nn.Module:
+    """Our GPTModel on one tensor/pipeline rank, on the CPU, parameters in ``precision``; every rank builds the
+    same weights (seeded by name). A system that builds the model its own way (sharded while it is created)
+    wraps this call; one that keeps fp32 masters and casts for compute (FSDP2, DDP) takes the fp32 default."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer_config import TransformerConfig
     from megatron.model.gpt_model import GPTModel
@@ -142,26 +168,33 @@ def build_model(spec: BenchSpec) -> torch.nn.Module:
                             seq_length=spec.seq, padded_vocab_size=spec.vocab, hidden_dropout=0.0,
                             attention_dropout=0.0, seed=spec.seed,
                             untie_embeddings_and_output_weights=spec.untie_embeddings,
-                            recompute_granularity="full" if spec.recompute else None)
+                            recompute_granularity="full" if spec.recompute else None, precision=precision)
     return GPTModel(cfg)
+
+
+def compute_device(spec: BenchSpec) -> torch.device:
+    """This rank's device: the CPU, or the GPU torchrun's LOCAL_RANK names."""
+    if spec.device == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
 
 
 def synthetic_tokens(spec: BenchSpec) -> torch.Tensor:
     """[steps, global batch, seq + 1] tokens drawn from a Zipf-like unigram law (learnable, so the loss moves),
-    or the trainer's mock samples (``spec.mock_data_vocab``)."""
+    or the trainer's mock samples (``spec.mock_data_vocab``); profiled steps come after the timed ones."""
+    total = spec.warmup + spec.steps + spec.profile_steps
     if spec.mock_data_vocab:
         from megatron.data.mock_dataset import MockGPTDataset
 
         # The trainer reads train samples 0, 1, ... in order, one global batch per step (data_samplers.py).
-        n = (spec.warmup + spec.steps) * spec.global_batch
+        n = total * spec.global_batch
         data = MockGPTDataset("train", n, spec.seq, spec.mock_data_vocab + 1, spec.seed, eod=spec.mock_data_vocab)
         return torch.stack([torch.from_numpy(data[i]["text"]) for i in range(n)]).view(
-            spec.warmup + spec.steps, spec.global_batch, spec.seq + 1)
+            total, spec.global_batch, spec.seq + 1)
     weights = 1.0 / torch.arange(1, spec.vocab + 1, dtype=torch.float64)
-    n = (spec.warmup + spec.steps) * spec.global_batch * (spec.seq + 1)
+    n = total * spec.global_batch * (spec.seq + 1)
     g = torch.Generator().manual_seed(spec.seed)
-    return torch.multinomial(weights, n, replacement=True, generator=g).view(
-        spec.warmup + spec.steps, spec.global_batch, spec.seq + 1)
+    return torch.multinomial(weights, n, replacement=True, generator=g).view(total, spec.global_batch, spec.seq + 1)
 
 
 class PeakRss:
@@ -186,38 +219,84 @@ class PeakRss:
         return self.peak
 
 
+def _profile(step: Callable[[int], float], steps: range, device: torch.device, out_dir: str, rank: int) -> dict:
+    """Run ``steps`` under torch.profiler, keep the Chrome trace in ``out_dir`` and return how much of its
+    host <-> device copy time ran under compute kernels (benchmarks/profile_overlap.py reads it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.trace_overlap import report_from_trace
+
+    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        for s in steps:
+            step(s)
+    path = os.path.join(out_dir, f"trace_rank{rank}.json")
+    prof.export_chrome_trace(path)
+    report = report_from_trace(path)
+    return {**dataclasses.asdict(report), "hidden": report.hidden, "line": report.line(), "trace": path}
+
+
 def run(spec: BenchSpec, system: str, make_trainer: Callable[[torch.nn.Module, BenchSpec, int], Trainer],
         out_dir: str, rss: PeakRss, build: Callable[[BenchSpec], torch.nn.Module] = build_model) -> None:
-    """Build, train warm-up + timed steps, write ``result_rank{r}.json`` (step times and losses on every rank)."""
-    dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    """Build, train warm-up + timed (+ profiled) steps, write ``result_rank{r}.json`` (step times and losses on
+    every rank, peak RSS, peak device memory, the profiled steps' copy/compute overlap); ``partial_rank{r}.json``
+    holds the steps done so far while it runs."""
+    device = compute_device(spec)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)  # before NCCL starts, so its communicator is on this rank's GPU
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=COLLECTIVE_TIMEOUT)
     torch.set_num_threads(spec.threads)
     rank, world = dist.get_rank(), dist.get_world_size()
     gas = spec.grad_accumulation(world)
     start = time.perf_counter()
     model = build(spec)
     trainer = make_trainer(model, spec, gas)
+    if cuda:
+        torch.cuda.synchronize()
     setup_s = time.perf_counter() - start
-    tokens = synthetic_tokens(spec)
-    positions = torch.arange(spec.seq).expand(spec.micro_batch, spec.seq)
+    tokens = synthetic_tokens(spec).to(device)
+    positions = torch.arange(spec.seq, device=device).expand(spec.micro_batch, spec.seq)
     step_s, losses = [], []
-    for step in range(spec.warmup + spec.steps):
-        t0 = time.perf_counter()
-        total = torch.zeros(1, dtype=torch.float64)
+    timed = spec.warmup + spec.steps
+
+    def step(s: int) -> float:
+        """One global batch; returns its mean loss over every rank's micro-batches."""
+        total = torch.zeros(1, dtype=torch.float64, device=device)
         for m in range(gas):
             first = (m * world + rank) * spec.micro_batch
-            batch = tokens[step, first:first + spec.micro_batch]
+            batch = tokens[s, first:first + spec.micro_batch]
             total += trainer.micro_batch(batch[:, :-1], positions, batch[:, 1:], last=m == gas - 1).double()
         dist.all_reduce(total)  # the global batch's mean loss; also lines the ranks up for timing
+        return total.item() / (gas * world)  # .item() waits for the GPU: the step's time includes its kernels
+
+    partial = os.path.join(out_dir, f"partial_rank{rank}.json")
+    for s in range(timed):
+        t0 = time.perf_counter()
+        losses.append(step(s))
         step_s.append(time.perf_counter() - t0)
-        losses.append(total.item() / (gas * world))
+        # The steps so far, rewritten after each one: a job killed at its time limit still has figures.
+        with open(partial, "w", encoding="utf-8") as f:
+            json.dump({"step_s": step_s, "losses": losses, "peak_rss": rss.peak,
+                       "peak_device_bytes": torch.cuda.max_memory_allocated(device) if cuda else 0}, f)
         if rank == 0:
-            left = spec.warmup + spec.steps - step - 1
-            print(f"[{system}] step {step + 1}/{spec.warmup + spec.steps}: loss {losses[-1]:.6f}, "
-                  f"{step_s[-1]:.2f} s, {spec.global_batch * spec.seq / step_s[-1]:.1f} tokens/s, "
-                  f"ETA {left * step_s[-1]:.0f} s", flush=True)
+            print(f"[{system}] step {s + 1}/{timed}: loss {losses[-1]:.6f}, {step_s[-1]:.2f} s, "
+                  f"{spec.global_batch * spec.seq / step_s[-1]:.1f} tokens/s, ETA {(timed - s - 1) * step_s[-1]:.0f} s",
+                  flush=True)
+    peak_device = torch.cuda.max_memory_allocated(device) if cuda else 0
+    overlap = None
+    if spec.profile_steps:
+        try:
+            overlap = _profile(step, range(timed, timed + spec.profile_steps), device, out_dir, rank)
+        except Exception as e:  # a profiler that cannot trace must not cost the timed steps their record
+            overlap = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300], "copies": 0}
+        if rank == 0:
+            print(f"[{system}] profiled {spec.profile_steps} step(s): {overlap.get('line') or overlap['error']}",
+                  flush=True)
     dist.barrier()
     result = {"system": system, "rank": rank, "world": world, "setup_s": setup_s, "step_s": step_s,
-              "losses": losses, "peak_rss": rss.stop(), "threads": torch.get_num_threads()}
+              "losses": losses, "peak_rss": rss.stop(), "threads": torch.get_num_threads(),
+              "device": str(device), "dtype": spec.dtype, "peak_device_bytes": peak_device, "overlap": overlap}
     with open(os.path.join(out_dir, f"result_rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump(result, f)
     dist.destroy_process_group()

@@ -7,17 +7,18 @@ import zero_cache
 from megatron.core import parallel_state as ps
 from megatron.core.deferred_init import initial_value
 
-from .harness import COLLECTIVE_TIMEOUT, BenchSpec, build_model, param_groups
+from .harness import COLLECTIVE_TIMEOUT, BenchSpec, build_model, compute_device, param_groups
 
 
 class ZeroCacheTrainer:
     @staticmethod
     def build_model(spec: BenchSpec, offload: bool) -> torch.nn.Module:
-        """As the trainer does under --deepspeed: built on the meta device, filled by the engine chunk by chunk."""
+        """As the trainer does under --deepspeed: built on the meta device in the compute precision (the engine
+        keeps fp32 masters itself), then filled by the engine chunk by chunk on the compute device."""
         ps.initialize_model_parallel(1, 1, timeout=COLLECTIVE_TIMEOUT)
         with torch.device("meta"):
-            model = build_model(spec)
-        return zero_cache.storage_less_parameters(model, "cpu")
+            model = build_model(spec, spec.dtype)
+        return zero_cache.storage_less_parameters(model, compute_device(spec))
 
     def __init__(self, model: torch.nn.Module, spec: BenchSpec, gas: int, offload: bool):
         world = ps.get_data_parallel_world_size()

@@ -1,77 +1,109 @@
 """The real-stream copy path (zero_cache/streams.py CudaStreams), skipped without a GPU: copies on the two copy
-streams ordered by events, pinned double-buffered staging of pageable memory, and the engine with host
-offload (pageable and pinned shards, rates 0 and 0.5 with the heterogeneous step, the speculative host
-update) against the fp32 reference on the same GPU, and bf16 with the update under the next forward against
-the step that waits for it."""
+streams ordered by events (each ordering shown against a compute stream kept busy, with a control that
+overtakes it without the event), bounded pinned staging of pageable memory that hands a buffer out again only
+after its copy, and the engine with host offload (pageable and pinned shards, rates 0 and 0.5 with the
+heterogeneous step, the speculative host update) against the fp32 reference on the same GPU with exact
+per-step copy bytes, and bf16 with the update under the next forward against the step that waits for it."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import zero_cache
-from tests.cuda.common import device_reference, make_device_model
-from tests.zero_cache.common import GAS, assert_close_losses, assert_close_weights, batches, ds_config, train_engine
+from tests.cuda.common import CUDA, STEPS, WEIGHT_TOL, busy, gpu_only, make_device_model
+from tests.zero_cache.common import (
+    GAS,
+    assert_close_losses,
+    assert_close_weights,
+    batches,
+    ds_config,
+    rank_micro_batches,
+    train_engine,
+)
 from zero_cache.streams import CudaStreams
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs a CUDA GPU (benchmarks/gpu_check.sh runs these on one)")
-
-STEPS = 5
-CUDA = torch.device("cuda", 0)
-WEIGHT_TOL = 1e-4  # final weights: CPU (host sub-groups) vs CUDA (reference) Adam arithmetic
+pytestmark = gpu_only()
+MIB = 1 << 20
+BUSY = 0.3  # seconds a kernel holds the compute stream: far longer than the host needs to queue what follows
 
 
-@pytest.fixture(scope="module", autouse=True)
-def strict_fp32():
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return device_reference(CUDA, STEPS)
+def _make_staging_buffers(pool, count: int) -> None:
+    """Make ``count`` buffers of a staging pool now. Pinning host memory may wait for the GPU's queued work
+    (CUDA's implicit synchronisation), which would let a busy kernel finish before the copy under test is
+    issued, so every buffer a test needs exists before its compute stream is held."""
+    lent = [pool.acquire(pool.unit // 4, torch.float32) for _ in range(count)]
+    for buf in lent:
+        pool.release(buf)
 
 
 def test_copies_run_on_their_streams_ordered_by_events():
     streams = CudaStreams(CUDA)
-    streams.configure_staging(1 << 20, 1 << 20)
+    streams.configure_staging(MIB, MIB)
+    _make_staging_buffers(streams.h2d_pool, 1)
+    _make_staging_buffers(streams.d2h_pool, 1)
     compute = torch.cuda.current_stream(CUDA)
-    dst = torch.empty(1 << 18, device=CUDA)
-    busy = torch.randn(2048, 2048, device=CUDA)
-    for _ in range(4):  # queue compute the copy must wait for: it writes a block compute still reads
-        busy = busy @ busy / busy.norm()
-    src = torch.arange(1 << 18, dtype=torch.float32)  # pageable: staged through the pinned pool
+    n = MIB // 4
+    old, new, twos = torch.zeros(n), torch.arange(n, dtype=torch.float32), torch.full((n,), 2.0).pin_memory()
+    dst = old.to(CUDA)
+    before = torch.empty_like(dst)  # allocated now: nothing below allocates while the compute stream is held
+    src = new.clone()  # pageable: staged through the pinned pool
+
+    # Host to device after the compute stream's point: compute still has to read dst (a copy queued behind a
+    # busy kernel), and the copy into dst waits for that read.
+    busy(BUSY)
+    before.copy_(dst)
     copy = streams.h2d(dst, src, after=(streams.compute_event(),))
     assert copy.source_free.query()  # the staged copy no longer reads src
     src.fill_(-1.0)
     streams.wait(copy.done)  # the compute stream, not the host, waits
-    torch.testing.assert_close(dst.cpu(), torch.arange(1 << 18, dtype=torch.float32))
-    pinned = torch.ones(1 << 18).pin_memory()
-    direct = streams.h2d(dst, pinned)
+    assert torch.equal(before.cpu(), old) and torch.equal(dst.cpu(), new)
+
+    # Control: the same situation without the event; the copy stream overtakes the busy compute stream.
+    busy(BUSY)
+    before.copy_(dst)
+    direct = streams.h2d(dst, twos)
     assert direct.source_free is direct.done  # a pinned source is read by the copy itself
     streams.wait(direct.done)
+    assert torch.equal(before.cpu(), twos.cpu())
+
+    # Device to host after the compute stream's point: it reads what compute wrote behind a busy kernel.
+    busy(BUSY)
+    dst.fill_(7.0)
     back, landed = streams.d2h_staged(dst, after=(streams.compute_event(),))
     landed.synchronize()
-    assert back.is_pinned() and torch.equal(back, torch.ones(1 << 18))
+    assert back.is_pinned() and torch.equal(back, torch.full((n,), 7.0))
     streams.release(back)
     assert compute == torch.cuda.current_stream(CUDA)  # the compute stream was never switched
     torch.cuda.synchronize()
-    stats = streams.take_stats()
-    assert stats.copies == 3 and stats.h2d_bytes == 2 * 4 << 18 and stats.d2h_bytes == 4 << 18
+    stats = streams.take_stats()  # every copy is done, so every one is counted
+    assert (stats.copies, stats.h2d_bytes, stats.d2h_bytes) == (3, 2 * MIB, MIB)
     assert stats.issued_seconds > 0
 
 
 def test_staging_pool_reuses_a_buffer_only_after_its_copy():
+    """Pageable sources go through two pinned buffers. Every copy waits for a busy compute stream, so none is
+    done while the next is issued: the third source must wait for the first copy instead of refilling the
+    buffer that copy has yet to read."""
+    unit = 256 << 10
+    n = unit // 4
     streams = CudaStreams(CUDA)
-    streams.configure_staging(4 << 16, 0)
-    outs = [torch.empty(1 << 16, device=CUDA) for _ in range(5)]
-    for i, out in enumerate(outs):  # five pageable sources through two pinned buffers
-        streams.wait(streams.h2d(out, torch.full((1 << 16,), float(i))).done)
-    assert streams.staging_bytes == 2 * (4 << 16)
+    streams.configure_staging(unit, 0)
+    outs = [torch.empty(n, device=CUDA) for _ in range(5)]
+    _make_staging_buffers(streams.h2d_pool, 2)
+    assert streams.staging_bytes == 2 * unit
+    busy(BUSY)
+    gate = streams.compute_event()
+    copies = [streams.h2d(outs[i], torch.full((n,), float(i)), after=(gate,)) for i in range(2)]
+    assert not copies[0].done.query() and not copies[1].done.query()  # both buffers lent to waiting copies
+    assert streams.staging_bytes == 2 * unit
+    copies.append(streams.h2d(outs[2], torch.full((n,), 2.0), after=(gate,)))
+    assert copies[0].done.query()  # the third waited for the first copy's buffer
+    copies += [streams.h2d(outs[i], torch.full((n,), float(i)), after=(gate,)) for i in range(3, 5)]
+    assert streams.staging_bytes == 2 * unit  # bounded: no third buffer
+    for c in copies:
+        streams.wait(c.done)
     for i, out in enumerate(outs):
-        assert torch.equal(out.cpu(), torch.full((1 << 16,), float(i)))
+        assert torch.equal(out.cpu(), torch.full((n,), float(i))), i  # no buffer refilled under its copy
 
 
 @pytest.mark.parametrize("rate,pinned,speculative", [(0.0, False, False), (0.0, True, True), (0.5, True, False)])
@@ -84,15 +116,30 @@ def test_host_offload_on_streams_matches_fp32_reference(reference, rate, pinned,
     engine = zero_cache.initialize(model=model, config=cfg)
     engine.register_external_parameter(model.head, model.embed.weight)
     assert isinstance(engine.streams, CudaStreams) and engine.lane is not None
-    losses = train_engine(engine, batches(STEPS).to(CUDA), 0, 1)
-    torch.cuda.synchronize()
-    stats = engine.copy_stats()
+    data = batches(STEPS).to(CUDA)
+    losses, copies = [], []
+    for s in range(STEPS):
+        micro = []
+        for mb in rank_micro_batches(data[s], 0, 1):
+            loss = engine(mb)
+            micro.append(loss.item())
+            engine.backward(loss)
+        engine.step()
+        losses.append(sum(micro) / len(micro))
+        copies.append(engine.copy_stats())
     host_grads = sum(c.plan.shard for c in engine.chunks if engine.reducer.to_host[c.index])
+    held = sum(engine.chunks[c].plan.shard for c in engine.reducer.keep if engine.reducer.to_host[c])
     weights = engine.gather_state_dict()
     engine.close()
     assert_close_losses(losses, ref_losses)
     assert_close_weights(weights, ref_weights, atol=WEIGHT_TOL, rtol=WEIGHT_TOL)
-    assert stats.d2h_bytes == 4 * GAS * host_grads and stats.h2d_bytes > 0
+    assert host_grads > 0
+    for step, stats in enumerate(copies, 1):
+        # Each host gradient shard's fp32 reduce-scatter result leaves the GPU once per micro-batch, a held
+        # chunk's once per step (grad_reducer.py). The step drains the host lane, which waits for each of these
+        # copies, before it takes the report, so every one of them is counted in its own step.
+        assert stats.d2h_bytes == 4 * (GAS * host_grads - (GAS - 1) * held), step
+        assert stats.h2d_bytes > 0, step  # parameter shards gathered from host memory
 
 
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
@@ -118,5 +165,6 @@ def test_bf16_update_under_the_next_forward_equals_the_waiting_step(offload, tmp
         runs[overlap] = losses, weights, running
     assert runs[False][2] == [False] * STEPS and runs[True][2] == [True] * STEPS
     assert runs[True][0] == runs[False][0]
+    assert runs[False][0][-1] < runs[False][0][0]  # it trained
     for name, w in runs[False][1].items():
         assert torch.equal(runs[True][1][name], w), name

@@ -1,0 +1,108 @@
+"""The machine's own matmul ceiling, the figure MFU is measured against (gpu_check.sh's preflight).
+
+    python -m benchmarks.matmul_peak                          # 8192^3 bf16 on cuda:0: median TFLOP/s
+    python -m benchmarks.matmul_peak --device cpu --size 512 --dtype fp32 --json peak.json
+
+Square matmuls after a warm-up (clocks up, cuBLAS heuristics chosen), timed in groups of ``--per-sample``
+(CUDA events around each group on a GPU, the wall clock on a CPU); the figure is the median over
+``--samples`` groups, with the spread beside it. A datasheet peak assumes boost clocks and ideal kernels;
+the median of a sustained run on this very machine is what a training step can actually approach.
+Also prints (and writes with ``--json``) what the machine is: device name and memory, torch, CUDA, python.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+from benchmarks.one_line_args import OneLineParser
+
+DTYPES = ("bf16", "fp16", "fp32")
+
+
+def machine(device: str) -> dict:
+    """What the figures were measured on (device name and memory, library versions)."""
+    import torch
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cores": os.cpu_count(),
+            "host": platform.node()}
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        info.update(device=props.name, device_memory_gib=round(props.total_memory / 2**30, 1),
+                    cuda=torch.version.cuda, capability=f"{props.major}.{props.minor}",
+                    sms=props.multi_processor_count)
+    else:
+        info.update(device=platform.processor() or platform.machine())
+    return info
+
+
+def measure(device: str, dtype: str, size: int, warmup: int, samples: int, per_sample: int) -> list[float]:
+    """TFLOP/s of each timed group of ``per_sample`` matmuls of two size x size matrices."""
+    import torch
+
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, dtype=dt, generator=gen)
+    b = torch.randn(size, size, device=device, dtype=dt, generator=gen)
+    out = torch.empty(size, size, device=device, dtype=dt)
+    flops = 2.0 * size ** 3 * per_sample
+    cuda = device == "cuda"
+    for _ in range(warmup):
+        torch.mm(a, b, out=out)
+    if cuda:
+        torch.cuda.synchronize()
+    rates = []
+    for _ in range(samples):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(per_sample):
+                torch.mm(a, b, out=out)
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            for _ in range(per_sample):
+                torch.mm(a, b, out=out)
+            seconds = time.perf_counter() - t0
+        rates.append(flops / seconds / 1e12)
+    return rates
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = OneLineParser(prog="python -m benchmarks.matmul_peak", description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--size", type=int, default=8192, help="matrix side (default 8192)")
+    p.add_argument("--warmup", type=int, default=50, help="untimed matmuls first")
+    p.add_argument("--samples", type=int, default=20, help="timed groups; the median is the figure")
+    p.add_argument("--per-sample", type=int, default=10, help="matmuls per timed group")
+    p.add_argument("--json", help="also write the figures to this file")
+    a = p.parse_args(argv)
+    if min(a.size, a.samples, a.per_sample) < 1 or a.warmup < 0:
+        p.error("--size, --samples and --per-sample must be >= 1 and --warmup >= 0")
+    import torch
+
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("matmul_peak: error: no CUDA device (use --device cpu)", file=sys.stderr)
+        return 2
+    rates = measure(a.device, a.dtype, a.size, a.warmup, a.samples, a.per_sample)
+    result = {"machine": machine(a.device), "dtype": a.dtype, "size": a.size, "samples": len(rates),
+              "per_sample": a.per_sample, "median_tflops": statistics.median(rates), "min_tflops": min(rates),
+              "max_tflops": max(rates), "tflops": rates}
+    m = result["machine"]
+    print(f"{m['device']}: {a.dtype} {a.size}^3 matmul median {result['median_tflops']:.4g} TFLOP/s "
+          f"(min {result['min_tflops']:.4g}, max {result['max_tflops']:.4g}; {len(rates)} x {a.per_sample} after "
+          f"{a.warmup} warm-up); torch {m['torch']}, python {m['python']}")
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
