@@ -108,21 +108,19 @@ run_cmd() {  # run_cmd CMD...: the command, output appended to the stage's log; 
   show "$@" >>"$LOG"
   timeout --kill-after=3 "$(left)" "$@" >>"$LOG" 2>&1
 }
-end_stage() {  # end_stage RC KIND [report stage options...]
-  local rc="$1" kind="$2"
-  shift 2
+end_stage() {  # end_stage RC [report stage options...]
+  local rc="$1"
+  shift
   [ "$DRY_RUN" = 1 ] && return 0
   report stage --name "$STAGE" --title "${TITLE[$STAGE]}" --rc "$rc" --seconds $((SECONDS - T0)) \
-    --cap "${CAP[$STAGE]}" --kind "$kind" --log "$LOG" "$@" || echo "gpu_check.sh: could not write the record" >&2
+    --cap "${CAP[$STAGE]}" --log "$LOG" "$@" || echo "gpu_check.sh: could not write the record" >&2
   grep -F "| ${TITLE[$STAGE]} |" "$OUT_DIR/summary.md" 2>/dev/null | cut -c1-400
 }
-skip_stage() {  # skip_stage KIND WHY [report stage options...]: the row says SKIPPED and why
-  local kind="$1" why="$2"
-  shift 2
+skip_stage() {  # skip_stage WHY: the row says SKIPPED and why
   if [ "$DRY_RUN" = 1 ]; then echo "  (skipped where no GPU is seen)"; return 0; fi
-  echo "$why" >>"$LOG"
+  echo "$1" >>"$LOG"
   report stage --name "$STAGE" --title "${TITLE[$STAGE]}" --rc 0 --seconds $((SECONDS - T0)) \
-    --cap "${CAP[$STAGE]}" --kind "$kind" --status SKIPPED --figures "$why" --log "$LOG" "$@" >/dev/null
+    --cap "${CAP[$STAGE]}" --status SKIPPED --figures "$1" --log "$LOG" >/dev/null
 }
 has_cuda() { "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; }
 
@@ -141,7 +139,7 @@ venv_py="${PTM_VENV:-$ROOT/.venv}/bin/python"
 if selected setup && [ -n "${GPU_CHECK_PYTHON:-}" ]; then
   begin_stage setup
   [ "$DRY_RUN" = 1 ] && echo "  (GPU_CHECK_PYTHON=$PY: no set-up)"
-  end_stage 0 setup --figures "$PY (GPU_CHECK_PYTHON)"
+  end_stage 0 --figures "$PY (GPU_CHECK_PYTHON)"
 elif selected setup; then
   begin_stage setup
   # A machine with no package index fails the pip step fast instead of retrying.
@@ -159,9 +157,8 @@ elif selected setup; then
     else
       PY="$SYS_PY" why="the machine's python3 (bootstrap exit $rc; no python here sees a GPU)"
     fi
-    report note "python for every stage: $PY ($why)"
     # The set-up is done when a python is chosen: a failed bootstrap with a working fallback is not a failure.
-    end_stage 0 setup --figures "$PY ($why)"
+    end_stage 0 --figures "$PY ($why)"
   fi
 elif [ -z "${GPU_CHECK_PYTHON:-}" ]; then
   if [ -x "$venv_py" ] && has_cuda "$venv_py"; then PY="$venv_py"; else PY="$SYS_PY"; fi
@@ -209,9 +206,9 @@ if selected preflight; then
   fi
   if [ "$HAS_CUDA" = 1 ]; then
     run_cmd "$PY" -m benchmarks.matmul_peak --json "$WORK/peak.json"
-    end_stage $? preflight --result "$WORK/peak.json"
+    end_stage $? --result "$WORK/peak.json"
   else
-    skip_stage preflight "no CUDA device seen by $PY: no matmul peak"
+    skip_stage "no CUDA device seen by $PY: no matmul peak"
   fi
 fi
 
@@ -222,7 +219,7 @@ if selected tests; then
   # Four workers on the one GPU: the tests are small, most of their time is process start-up and NCCL set-up.
   if [ "$DRY_RUN" = 1 ] || "$PY" -c 'import xdist' >/dev/null 2>&1; then XDIST=(-n 4); fi
   run_cmd "$PY" -m pytest tests/cuda -q -rs -p no:cacheprovider "${XDIST[@]}" --timeout 80
-  end_stage $? tests
+  end_stage $?
 fi
 
 # ---- dense and offload: ours against FSDP2 (and DeepSpeed where installed) on the same model and batches ----------
@@ -236,9 +233,9 @@ if selected dense; then
       --systems ours-trainer fsdp2 megatron deepspeed ours --warmup 2 --steps 6 \
       --budget-s "$(budget 10)" --job-timeout-s 70 --min-job-s 30 "${PEAK_ARGS[@]}" --run-dir "$WORK/dense" \
       --json "$WORK/dense.json"
-    end_stage $? peers --result "$WORK/dense.json"
+    end_stage $? --result "$WORK/dense.json"
   else
-    skip_stage peers "no CUDA device seen by $PY"
+    skip_stage "no CUDA device seen by $PY"
   fi
 fi
 if selected offload; then
@@ -250,9 +247,9 @@ if selected offload; then
       --systems ours-offload fsdp2-offload deepspeed-offload --warmup 1 --steps 3 --profile-steps 1 \
       --budget-s "$(budget 10)" --job-timeout-s 70 --min-job-s 40 "${PEAK_ARGS[@]}" "${REF_ARGS[@]}" \
       --run-dir "$WORK/offload" --json "$WORK/offload.json"
-    end_stage $? peers --result "$WORK/offload.json"
+    end_stage $? --result "$WORK/offload.json"
   else
-    skip_stage peers "no CUDA device seen by $PY"
+    skip_stage "no CUDA device seen by $PY"
   fi
 fi
 
@@ -265,9 +262,9 @@ if selected maxscale; then
     run_cmd "$PY" -m benchmarks.gpu_max_scale --family 4096,32,16384 --seq 2048 --slice-device-gib 16 \
       --slice-host-gib 10 --slice-disk-gib 4 --host-fraction 0.6 --steps 3 "${NVME_ARGS[@]}" \
       --budget-s "$(budget 15)" --json "$WORK/maxscale.json"
-    end_stage $? maxscale --result "$WORK/maxscale.json"
+    end_stage $? --result "$WORK/maxscale.json"
   else
-    skip_stage maxscale "no CUDA device seen by $PY"
+    skip_stage "no CUDA device seen by $PY"
   fi
 fi
 

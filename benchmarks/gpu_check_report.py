@@ -2,15 +2,15 @@
 
     python3 -m benchmarks.gpu_check_report --state S.json --summary S.md --logs L.txt init --budget 465 ...
     python3 -m benchmarks.gpu_check_report ... stage --name dense --title "3 dense" --rc 0 --seconds 98 --cap 140 \
-        --kind peers --result dense.json --log dense.log
+        --result dense.json --log dense.log
     python3 -m benchmarks.gpu_check_report ... note "text"
     python3 -m benchmarks.gpu_check_report ... machine machine.txt      # key=value lines about the machine
 
-Standard library only, so the record is still written when torch is what fails. ``stage`` adds the stage's row
-(status from its exit code, seconds against its cap, its figures or its telling error line), appends the tail
-of its log to --logs, and rewrites --summary: the machine, the measured matmul peak, the stage table, each
-comparison's table with ours / peer ratios, the planned against measured memory of the largest model, notes.
-The summary is the section to paste into benchmarks/RESULTS.md.
+Standard library only (matmul_peak imports torch only to measure), so the record is still written when torch is
+what fails. ``stage`` adds the stage's row (status from its exit code, seconds against its cap, its figures or its
+telling error line), appends the tail of its log to --logs, and rewrites --summary: the machine, the measured
+matmul peak, the stage table, each comparison's table with ours / peer ratios, the planned against measured
+memory of the largest model, notes. The summary is the section to paste into benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import os
 import re
 import sys
 
+from benchmarks.matmul_peak import DATASHEET_TFLOPS
 from benchmarks.one_line_args import OneLineParser
 
 LOG_TAIL_LINES = 120
@@ -86,12 +87,13 @@ def tests_figures(log: str | None) -> tuple[str, str | None]:
     return result, "SKIPPED" if skipped else None
 
 
-def peak_figures(peak: dict | None, machine: dict, datasheet: float) -> str:
+def peak_figures(peak: dict | None, machine: dict) -> str:
     parts = []
     if peak:
         parts.append(f"bf16 {peak['size']}^3 matmul: median {peak['median_tflops']:.0f} TFLOP/s (min "
                      f"{peak['min_tflops']:.0f}, max {peak['max_tflops']:.0f}; {peak['samples']} x "
-                     f"{peak['per_sample']}), {peak['median_tflops'] / datasheet:.0%} of the {datasheet:g} datasheet")
+                     f"{peak['per_sample']}), {peak['median_tflops'] / DATASHEET_TFLOPS:.0%} of the "
+                     f"{DATASHEET_TFLOPS:g} datasheet")
     if machine.get("disk_write"):
         parts.append(f"disk write {machine['disk_write']} ({machine.get('disk_write_where', '?')})")
     return "; ".join(parts)
@@ -161,7 +163,6 @@ def machine_line(state: dict) -> str:
 
 
 def render(state: dict) -> str:
-    datasheet = state.get("datasheet_tflops", 989.0)
     peak = state.get("peak")
     spent = sum(s["seconds"] for s in state["stages"])
     out = [f"### GPU check, {state['started'][:10]}: {machine_line(state)}", "",
@@ -170,8 +171,9 @@ def render(state: dict) -> str:
     if peak:
         out += [f"Measured bf16 matmul peak (MFU is taken against it): **{peak['median_tflops']:.0f} TFLOP/s**, the "
                 f"median of {peak['samples']} groups of {peak['per_sample']} {peak['size']}^3 matmuls after warm-up "
-                f"(min {peak['min_tflops']:.0f}, max {peak['max_tflops']:.0f}); the datasheet's {datasheet:g} is the "
-                f"second MFU column ({peak['median_tflops'] / datasheet:.0%} of it).", ""]
+                f"(min {peak['min_tflops']:.0f}, max {peak['max_tflops']:.0f}); the datasheet's "
+                f"{DATASHEET_TFLOPS:g} is the second MFU column ({peak['median_tflops'] / DATASHEET_TFLOPS:.0%} "
+                f"of it).", ""]
     out += ["| stage | status | seconds (cap) | figures |", "|---|---|---:|---|"]
     for s in state["stages"]:
         fig = s["figures"] or ""
@@ -229,6 +231,30 @@ def maxscale_section(res: dict) -> list[str]:
     return lines
 
 
+def stage_row(a: argparse.Namespace, state: dict) -> dict:
+    """A stage's row: its status, its figures (from its result file or its log) and its telling error line."""
+    kind = "peers" if a.name in ("dense", "offload") else a.name  # what the figures are read from
+    row = {"name": a.name, "title": a.title, "kind": kind, "status": a.status or status_of(a.rc), "rc": a.rc,
+           "seconds": a.seconds, "cap": a.cap, "figures": a.figures, "error": None, "result": None, "log": a.log}
+    if a.status:  # a stage that did not run: its figures say why
+        return row
+    if kind == "preflight":
+        state["peak"] = _load(a.result)
+        row["figures"] = peak_figures(state["peak"], state["machine"]) or a.figures
+    elif kind == "tests":
+        row["figures"], skipped = tests_figures(a.log)
+        if skipped and a.rc == 0:
+            row["status"] = skipped
+    elif kind in ("peers", "maxscale"):
+        row["result"] = _load(a.result)
+        row["figures"], row["error"] = (peers_figures if kind == "peers" else maxscale_figures)(row["result"])
+    if a.rc != 0 and not row["error"]:
+        row["error"] = last_error(a.log)
+    elif kind in ("peers", "maxscale") and row["result"] is None:
+        row["error"] = "no results written"
+    return row
+
+
 def save(state: dict, a: argparse.Namespace) -> None:
     with open(a.state, "w", encoding="utf-8") as f:
         json.dump(state, f, indent=1)
@@ -255,14 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     i = sub.add_parser("init")
     i.add_argument("--budget", type=int, required=True)
     i.add_argument("--command", default="bash benchmarks/gpu_check.sh")
-    i.add_argument("--datasheet", type=float, default=989.0)
     s = sub.add_parser("stage")
-    s.add_argument("--name", required=True)
+    s.add_argument("--name", required=True, help="the stage (dense and offload read a gpu_peers result)")
     s.add_argument("--title", required=True)
     s.add_argument("--rc", type=int, required=True)
     s.add_argument("--seconds", type=int, required=True)
     s.add_argument("--cap", type=int, required=True)
-    s.add_argument("--kind", choices=["setup", "preflight", "tests", "peers", "maxscale"], required=True)
     s.add_argument("--log")
     s.add_argument("--result", help="the stage's JSON (matmul_peak, gpu_peers or gpu_max_scale)")
     s.add_argument("--figures", default="", help="the figures, for a stage with no result file")
@@ -275,8 +299,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.cmd == "init":
         state = {"started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                 "budget_s": a.budget, "command": a.command, "datasheet_tflops": a.datasheet, "stages": [],
-                 "notes": [], "machine": {}, "peak": None}
+                 "budget_s": a.budget, "command": a.command, "stages": [], "notes": [], "machine": {}, "peak": None}
         save(state, a)
         if a.logs:
             open(a.logs, "w", encoding="utf-8").close()  # a reused OUT starts a new log file
@@ -293,29 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         state["machine"].update(read_machine(a.file))
         save(state, a)
         return 0
-    status, error, figures, result = status_of(a.rc), None, a.figures, None
-    if a.status:  # a stage that did not run: its figures say why
-        pass
-    elif a.kind == "preflight":
-        state["peak"] = _load(a.result)
-        figures = peak_figures(state["peak"], state["machine"], state["datasheet_tflops"]) or figures
-    elif a.kind == "tests":
-        figures, override = tests_figures(a.log)
-        status = override if override and a.rc == 0 else status
-    elif a.kind == "peers":
-        result = _load(a.result)
-        figures, error = peers_figures(result)
-    elif a.kind == "maxscale":
-        result = _load(a.result)
-        figures, error = maxscale_figures(result)
-    if a.rc != 0 and not error and not a.status:
-        error = last_error(a.log)
-    elif a.kind in ("peers", "maxscale") and result is None and not a.status:
-        error = "no results written"
-    status = a.status or status
-    state["stages"] = [x for x in state["stages"] if x["name"] != a.name] + [
-        {"name": a.name, "title": a.title, "kind": a.kind, "status": status, "rc": a.rc, "seconds": a.seconds,
-         "cap": a.cap, "figures": figures, "error": error, "result": result, "log": a.log}]
+    row = stage_row(a, state)
+    state["stages"] = [x for x in state["stages"] if x["name"] != a.name] + [row]
     save(state, a)
     append_log(a, a.title, a.rc, a.log)
     return 0

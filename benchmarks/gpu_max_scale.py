@@ -28,54 +28,36 @@ import io
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 import psutil
 
 from benchmarks.one_line_args import OneLineParser
-from benchmarks.peer_workers.harness import LOGS_DIR, ROOT, kill_tree
+from benchmarks.peer_workers.harness import (
+    LOGS_DIR,
+    Terminated,
+    cut_reason,
+    first_error,
+    mock_trainer_flags,
+    raise_on_sigterm,
+    run_job,
+    terminated,
+)
+from zero_cache.aio import nearest_existing_dir
 
 MEMORY_FS = ("tmpfs", "ramfs")
 GiB = 2**30
 
 
-class Terminated(Exception):
-    """SIGTERM: the stage's time limit."""
-
-
-def _on_term(signum, frame):
-    raise Terminated()
-
-
 def fs_type(path: str) -> str:
     """The file system type of the mount holding ``path`` (the longest mount point that contains it)."""
     path = os.path.realpath(path)
-    best, kind = "", "unknown"
-    try:
-        with open("/proc/mounts", encoding="utf-8") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                mount = parts[1].replace("\\040", " ")
-                inside = path == mount or path.startswith(mount.rstrip("/") + "/")
-                if inside and len(mount) > len(best):
-                    best, kind = mount, parts[2]
-    except OSError:
-        pass
-    return kind
-
-
-def _existing(path: str) -> str:
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    return path
+    mounts = [m for m in psutil.disk_partitions(all=True)
+              if path == m.mountpoint or path.startswith(m.mountpoint.rstrip("/") + "/")]
+    return max(mounts, key=lambda m: len(m.mountpoint)).fstype if mounts else "unknown"
 
 
 def choose_scratch(given: str | None) -> dict:
@@ -83,13 +65,13 @@ def choose_scratch(given: str | None) -> dict:
     tmp = tempfile.gettempdir()
     tmp_kind = fs_type(tmp)
     if given:
-        kind = fs_type(_existing(given))
+        kind = fs_type(nearest_existing_dir(given))
         why = "given with --nvme-path" + (f"; {kind} is memory, not disk" if kind in MEMORY_FS else "")
         return {"path": given, "fstype": kind, "why": why, "tmp": tmp, "tmp_fstype": tmp_kind}
     candidates = [os.path.join(LOGS_DIR, "gpu_max_scale-nvme"), "/var/tmp/zc_gpu_max_scale",
                   os.path.join(tmp, "zc_gpu_max_scale")]
     for path in candidates:
-        kind = fs_type(_existing(path))
+        kind = fs_type(nearest_existing_dir(path))
         if kind not in MEMORY_FS:
             why = (f"the first disk-backed candidate ({kind}); {tmp} is {tmp_kind}" if tmp_kind in MEMORY_FS else
                    f"the repository's disk ({kind}), where benchmarks/logs/ lives" if path == candidates[0] else
@@ -150,6 +132,7 @@ class DiskMonitor:
             self.peak = max(self.peak, folder_bytes(self.path))
 
     def stop(self) -> float:
+        """The peak, GiB."""
         self._stop.set()
         self._thread.join()
         return max(self.peak, folder_bytes(self.path)) / GiB
@@ -157,7 +140,7 @@ class DiskMonitor:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = OneLineParser(prog="python -m benchmarks.gpu_max_scale", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--family", default="4096,32,16384", help="hidden,heads,ffn (default: the 6.7b shape)")
     p.add_argument("--seq", type=int, default=2048)
@@ -202,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(a.json, "w", encoding="utf-8") as f:
                 json.dump(out, f, indent=1)
 
-    signal.signal(signal.SIGTERM, _on_term)
-    proc = None
+    raise_on_sigterm()
     try:
         try:
             scratch = choose_scratch(a.nvme_path)
@@ -242,12 +224,11 @@ def main(argv: list[str] | None = None) -> int:
         log = a.log or (os.path.splitext(a.json)[0] + ".log" if a.json else
                         os.path.join(LOGS_DIR, f"gpu_max_scale-{datetime.datetime.now():%Y%m%d-%H%M%S}.log"))
         os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
-        cfg, args_path = (os.path.splitext(log)[0] + ext for ext in ("_ds.json", ".args"))  # beside the log
+        cfg = os.path.splitext(log)[0] + "_ds.json"  # beside the log
         sliced = ["--host-memory-gib", str(a.slice_host_gib), "--nvme-free-gib", str(a.slice_disk_gib)]
         if a.device == "cuda":
             sliced += ["--device-memory-gib", str(a.slice_device_gib)]
-        rc, trained, err = plan(model + ([] if a.layers else ["--largest"]) + sliced +
-                                ["--write-ds-config", cfg, "--write-args", args_path])
+        rc, trained, err = plan(model + ([] if a.layers else ["--largest"]) + sliced + ["--write-ds-config", cfg])
         if not trained or rc != 0:
             reason = trained["message"].splitlines()[0] if trained else (err.splitlines()[-1] if err else f"exit {rc}")
             out.update(status="failed", error=f"planner: {reason}")
@@ -258,63 +239,46 @@ def main(argv: list[str] | None = None) -> int:
         out["slice"] = {"device_gib": a.slice_device_gib if a.device == "cuda" else None,
                         "host_gib": a.slice_host_gib, "disk_gib": a.slice_disk_gib}
         save()
-        with open(args_path, encoding="utf-8") as f:
-            model_args = [ln.strip() for ln in f if ln.strip()]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-               "pretrain_gpt.py", *model_args, "--global-batch-size", str(trained["option"]["micro_batch_size"]),
-               "--train-iters", str(a.steps), "--lr", "1e-4", "--lr-decay-style", "constant",
-               "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data", "--tokenizer-type",
-               "NullTokenizer", "--vocab-size", str(a.vocab), "--log-interval", "1", "--eval-iters", "0",
-               "--num-workers", "0", "--distributed-backend", "nccl" if a.device == "cuda" else "gloo",
+               "pretrain_gpt.py", *trained["megatron_args"],
+               "--global-batch-size", str(trained["option"]["micro_batch_size"]), "--train-iters", str(a.steps),
+               "--lr", "1e-4", "--lr-decay-style", "constant", *mock_trainer_flags(a.vocab, a.device),
                "--deepspeed", "--deepspeed_config", cfg]
         print(f"trained: {out['trained_plan']['message']}\n$ {' '.join(cmd)}\nlog: {log}", flush=True)
         disk = DiskMonitor(nvme)
-        t0 = time.perf_counter()
-        with open(log, "w", encoding="utf-8") as f:
-            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env=dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count() or 1)))
-            try:
-                rc = proc.wait(timeout=a.budget_s)
-            except subprocess.TimeoutExpired:
-                rc = None
-        out["run"] = measured(log, disk, time.perf_counter() - t0, rc, a)
+        rc, wall = run_job(cmd, log, a.budget_s, dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count() or 1)))
+        out["run"] = measured(log, disk.stop(), wall, rc, a)
         out["status"] = out["run"]["status"]
         save()
+        if terminated():  # the stage's limit came during the run, which is recorded
+            raise Terminated()
         return 0 if out["status"] == "ok" else 1
     except Terminated:
         out["status"] = "timeout"
         out["notes"].append("stopped by SIGTERM (the stage's time limit)")
-        if proc is not None and "run" not in out:
-            out["run"] = measured(log, disk, time.perf_counter() - t0, None, a)
         save()
         return 124
     finally:
-        if proc is not None and proc.poll() is None:
-            kill_tree(proc.pid)
-            proc.wait()
         scratch_pages = out.get("scratch", {}).get("path")
         if scratch_pages and not a.keep_pages:
             shutil.rmtree(os.path.join(scratch_pages, "zc_pages"), ignore_errors=True)
 
 
-def measured(log: str, disk: DiskMonitor, wall: float, rc: int | None, a: argparse.Namespace) -> dict:
-    """The training run's figures from its log (one line per iteration) and the disk monitor."""
-    from tools.plot_run import LogParseError, parse_log
+def measured(log: str, disk_peak_gib: float, wall: float, rc: int | None, a: argparse.Namespace) -> dict:
+    """The training run's figures from its log (one line per iteration) and the page files' peak disk space."""
+    from tools.plot_run import LogParseError, parse_log, summary
 
-    res = {"log": log, "wall_s": wall, "disk_peak_gib": disk.stop(), "steps": [], "losses": [], "peak_gib": {}}
+    res = {"log": log, "wall_s": wall, "disk_peak_gib": disk_peak_gib, "steps": [], "losses": [], "peak_gib": {}}
     try:
         run = parse_log(log)
-        res.update(steps=run.step_time_s, losses=run.lm_loss,
-                   peak_gib={k: max((x for x in v if x == x), default=0.0) for k, v in run.memory_gib.items()})
+        res.update(steps=run.step_time_s, losses=run.lm_loss, peak_gib=summary(run)["peak_memory_gib"])
     except LogParseError:
         pass
     steady = res["steps"][1:] or res["steps"]
     res["step_s"] = statistics.median(steady) if steady else None
     if rc is None:
-        res["status"], res["error"] = "timeout", f"killed after {a.budget_s:.0f} s ({len(res['steps'])} steps logged)"
+        res["status"], res["error"] = "timeout", f"{cut_reason(a.budget_s, wall)} ({len(res['steps'])} steps logged)"
     elif rc or len(res["steps"]) != a.steps:
-        from benchmarks.zero3_vs_peers import first_error
-
         res["status"], res["error"] = "failed", first_error(os.path.dirname(log), log, rc or 1)
     else:
         res["status"] = "ok"

@@ -32,16 +32,29 @@ import datetime
 import importlib.util
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
+from benchmarks.matmul_peak import DATASHEET_TFLOPS
 from benchmarks.one_line_args import OneLineParser
-from benchmarks.peer_workers.harness import BETAS, EPS, LOGS_DIR, ROOT, BenchSpec, kill_tree, worker_env
-from benchmarks.zero3_vs_peers import first_error
+from benchmarks.peer_workers.harness import (
+    BETAS,
+    EPS,
+    LOGS_DIR,
+    BenchSpec,
+    Terminated,
+    cut_reason,
+    first_error,
+    fresh_job_dir,
+    mock_trainer_flags,
+    raise_on_sigterm,
+    run_job,
+    terminated,
+    worker_cmd,
+    worker_env,
+)
 
 # name -> layers, hidden, heads, tokenizer vocabulary (NullTokenizer; the model pads vocab + eod), seq, micro-batch
 PRESETS = {
@@ -51,7 +64,6 @@ PRESETS = {
 # zero_cache chunk size per preset: about one transformer layer, as the planner picks for the 1.3B on one GPU
 # (a 5e8 default would gather the whole model in two chunks and leave nothing to prefetch behind compute).
 PAGE = {"1.3b": 50_331_648, "tiny": 500_000}
-DATASHEET_TFLOPS = 989.0  # H100/H200 SXM bf16 dense, no sparsity
 
 
 @dataclass(frozen=True)
@@ -96,23 +108,9 @@ class JobResult:
     log: str = ""
 
 
-class Terminated(Exception):
-    """SIGTERM (the stage's time limit): stop the running job, keep what was measured."""
-
-
-_running: subprocess.Popen | None = None  # the job a SIGTERM must take down with this process
-_stopping = False  # SIGTERM came: no job is started after the running one
-
-
-def _on_term(signum, frame):
-    global _stopping
-    _stopping = True
-    raise Terminated()
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineParser(prog="python -m benchmarks.gpu_peers", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="1.3b (default on cuda) or tiny (cpu)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on cuda, fp32 on cpu")
@@ -176,11 +174,11 @@ def make_spec(a: argparse.Namespace) -> BenchSpec:
                      mock_data_vocab=vocab, device=a.device, dtype=a.dtype, profile_steps=a.profile_steps)
 
 
-def flops_per_token(spec: BenchSpec) -> float:
+def model_config(spec: BenchSpec):
     from megatron.core.transformer_config import TransformerConfig
 
     return TransformerConfig(num_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
-                             seq_length=spec.seq, padded_vocab_size=spec.vocab).flops_per_token()
+                             seq_length=spec.seq, padded_vocab_size=spec.vocab)
 
 
 def trainer_argv(spec: BenchSpec, system: System, ds_path: str) -> list[str]:
@@ -191,10 +189,8 @@ def trainer_argv(spec: BenchSpec, system: System, ds_path: str) -> list[str]:
             "--global-batch-size", str(spec.global_batch), "--train-iters", str(spec.warmup + spec.steps),
             "--seed", str(spec.seed), "--lr", str(spec.lr), "--lr-decay-style", "constant",
             "--weight-decay", str(spec.weight_decay), "--adam-beta1", str(BETAS[0]), "--adam-beta2", str(BETAS[1]),
-            "--adam-eps", str(EPS), "--clip-grad", str(spec.clip_grad), "--hidden-dropout", "0",
-            "--attention-dropout", "0", "--mock-data", "--tokenizer-type", "NullTokenizer",
-            "--vocab-size", str(spec.mock_data_vocab), "--log-interval", "1", "--eval-iters", "0",
-            "--num-workers", "0", "--distributed-backend", "nccl" if spec.device == "cuda" else "gloo"]
+            "--adam-eps", str(EPS), "--clip-grad", str(spec.clip_grad),
+            *mock_trainer_flags(spec.mock_data_vocab, spec.device)]
     if spec.dtype == "bf16":
         argv.append("--bf16")
     if system.impl == "zero_cache":
@@ -202,41 +198,13 @@ def trainer_argv(spec: BenchSpec, system: System, ds_path: str) -> list[str]:
     return argv
 
 
-def _run_job(cmd: list[str], log_path: str, timeout_s: float, env: dict) -> tuple[int | None, float]:
-    """Run one job in its own session with its output in ``log_path``; (exit code or None on timeout, wall s)."""
-    global _running
-    start = time.perf_counter()
-    with open(log_path, "w", encoding="utf-8") as log:
-        log.write(" ".join(cmd) + "\n")
-        log.flush()
-        _running = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        try:
-            rc = _running.wait(timeout=timeout_s)
-        except (subprocess.TimeoutExpired, Terminated):  # its steps so far are still read by the caller
-            rc = None
-        finally:
-            if _running.poll() is None:  # timed out, or this script was told to stop: the whole job goes
-                kill_tree(_running.pid)
-                _running.wait()
-            _running = None
-    return rc, time.perf_counter() - start
-
-
-def _cut(timeout_s: float, wall_s: float) -> str:
-    return f"stopped by SIGTERM after {wall_s:.0f} s" if _stopping else f"killed after {timeout_s:.0f} s"
-
-
-def run_worker(system: System, spec_path: str, a: argparse.Namespace, out_dir: str, timeout_s: float,
-               python: str) -> JobResult:
+def run_worker(system: System, spec_path: str, a: argparse.Namespace, out_dir: str, timeout_s: float) -> JobResult:
     res = JobResult(system.key, system.name, log=os.path.join(out_dir, "log.txt"))
-    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.nproc),
-           "-m", "benchmarks.peer_workers.worker", "--impl", system.impl, "--system", system.key,
-           "--spec", spec_path, "--out-dir", out_dir] + (["--offload"] if system.offload else [])
+    cmd = worker_cmd(sys.executable, a.nproc, system.impl, system.key, spec_path, out_dir, system.offload)
     env = worker_env(a.threads)
     if a.device == "cuda":
         env["DS_ACCELERATOR"] = "cuda"  # worker_env's default is DeepSpeed's CPU accelerator
-    rc, res.wall_s = _run_job(cmd, res.log, timeout_s, env)
+    rc, res.wall_s = run_job(cmd, res.log, timeout_s, env)
     files = [os.path.join(out_dir, f"result_rank{r}.json") for r in range(a.nproc)]
     if all(os.path.isfile(f) for f in files):
         res.status = "ok"  # every rank wrote its results after its last step
@@ -244,7 +212,7 @@ def run_worker(system: System, spec_path: str, a: argparse.Namespace, out_dir: s
             res.error = f"exit {rc} after the results were written: {first_error(out_dir, res.log, rc)}"
     else:  # cut short: the steps every rank finished, from the files they rewrite after each step
         res.status = "timeout" if rc is None else "failed"
-        res.error = _cut(timeout_s, res.wall_s) if rc is None else first_error(out_dir, res.log, rc)
+        res.error = cut_reason(timeout_s, res.wall_s) if rc is None else first_error(out_dir, res.log, rc)
         files = [os.path.join(out_dir, f"partial_rank{r}.json") for r in range(a.nproc)]
         if not all(os.path.isfile(f) for f in files):
             return res
@@ -262,7 +230,7 @@ def run_worker(system: System, spec_path: str, a: argparse.Namespace, out_dir: s
 
 
 def run_trainer(system: System, spec: BenchSpec, a: argparse.Namespace, out_dir: str, timeout_s: float) -> JobResult:
-    from tools.plot_run import LogParseError, parse_log
+    from tools.plot_run import LogParseError, parse_log, summary
 
     res = JobResult(system.key, system.name, log=os.path.join(out_dir, "log.txt"))
     ds_path = os.path.join(out_dir, "ds_config.json")
@@ -270,17 +238,16 @@ def run_trainer(system: System, spec: BenchSpec, a: argparse.Namespace, out_dir:
         json.dump(spec.ds_config(a.nproc, system.offload), f, indent=1)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.nproc),
            "pretrain_gpt.py", *trainer_argv(spec, system, ds_path)]
-    rc, res.wall_s = _run_job(cmd, res.log, timeout_s, dict(os.environ, OMP_NUM_THREADS=str(a.threads)))
+    rc, res.wall_s = run_job(cmd, res.log, timeout_s, dict(os.environ, OMP_NUM_THREADS=str(a.threads)))
     try:
         run = parse_log(res.log)  # --log-interval 1: one line per iteration
         res.step_s, res.losses = run.step_time_s, run.lm_loss
-        mem = run.memory_gib
-        res.peak_device_gib = max((x for x in mem.get("cuda max alloc", []) if x == x), default=0.0)
-        res.peak_rss_gib = max((x for x in mem.get("peak rss", []) if x == x), default=0.0)
+        peaks = summary(run)["peak_memory_gib"]
+        res.peak_device_gib, res.peak_rss_gib = peaks.get("cuda max alloc", 0.0), peaks.get("peak rss", 0.0)
     except LogParseError:
         pass
     if rc is None:
-        res.status, res.error = "timeout", f"{_cut(timeout_s, res.wall_s)} ({len(res.step_s)} iterations logged)"
+        res.status, res.error = "timeout", f"{cut_reason(timeout_s, res.wall_s)} ({len(res.step_s)} iterations logged)"
     elif rc or len(res.step_s) != spec.warmup + spec.steps:
         res.status, res.error = "failed", first_error(out_dir, res.log, rc or 1)
     else:
@@ -303,7 +270,7 @@ def loss_diff(losses: list[float], ref: list[float]) -> float | None:
 
 def figures(results: list[JobResult], spec: BenchSpec, a: argparse.Namespace, reference: tuple[str, list[float]]
             ) -> dict[str, dict]:
-    fpt = flops_per_token(spec)
+    fpt = model_config(spec).flops_per_token()
     out = {}
     for r in results:
         step = median_step(r, spec.warmup)
@@ -391,15 +358,12 @@ def report(results: list[JobResult], spec: BenchSpec, a: argparse.Namespace, hea
     lines = rows + [""] + [f"{x['ours']} / {x['peer']}: {x['ratio']:.2f}x tokens/s" for x in rat]
     return {"started": started, "header": header, "spec": dataclasses.asdict(spec), "device": a.device,
             "dtype": a.dtype, "peak_tflops": a.peak_tflops, "datasheet_tflops": a.datasheet_tflops,
-            "flops_per_token": flops_per_token(spec), "loss_rtol": a.loss_rtol, "reference": ref_key,
+            "flops_per_token": model_config(spec).flops_per_token(), "loss_rtol": a.loss_rtol, "reference": ref_key,
             "results": [dataclasses.asdict(r) for r in results], "figures": figs, "ratios": rat, "table": lines}
 
 
 def describe(spec: BenchSpec, a: argparse.Namespace) -> str:
-    from megatron.core.transformer_config import TransformerConfig
-
-    n = TransformerConfig(num_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
-                          seq_length=spec.seq, padded_vocab_size=spec.vocab).num_parameters()
+    n = model_config(spec).num_parameters()
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
     return (f"GPT {size} params ({spec.layers} layers, hidden {spec.hidden}, {spec.heads} heads, vocab "
             f"{spec.vocab}, tied), seq {spec.seq}, micro-batch {spec.micro_batch}, global batch {spec.global_batch}, "
@@ -438,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     deadline = time.monotonic() + a.budget_s
-    signal.signal(signal.SIGTERM, _on_term)
+    raise_on_sigterm()
     todo = [r for r in results if r.status == "not run"]
     try:
         for r in todo:
@@ -450,20 +414,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{r.key}] not run: {r.error}", flush=True)
                 continue
             out_dir = os.path.join(run_dir, r.key)
-            os.makedirs(out_dir, exist_ok=True)
-            for name in os.listdir(out_dir):  # a reused run dir must not lend this job an earlier job's results
-                if name.startswith(("result_rank", "error_rank", "partial_rank")):
-                    os.remove(os.path.join(out_dir, name))
+            fresh_job_dir(out_dir)
             print(f"[{r.key}] {system.name}: up to {timeout:.0f} s", flush=True)
             if system.kind == "trainer":
                 done = run_trainer(system, spec, a, out_dir, timeout)
             else:
-                done = run_worker(system, spec_path, a, out_dir, timeout, sys.executable)
+                done = run_worker(system, spec_path, a, out_dir, timeout)
             results[results.index(r)] = done
             state = "ok" if done.status == "ok" else f"{done.status}: {done.error}"
             print(f"[{r.key}] {state} ({done.wall_s:.0f} s wall)", flush=True)
             save()
-            if _stopping:  # the SIGTERM came during that job: it is recorded, nothing more starts
+            if terminated():  # the SIGTERM came during that job: it is recorded, nothing more starts
                 raise Terminated()
     except Terminated:
         for r in results:

@@ -63,6 +63,8 @@ from benchmarks.peer_workers.harness import (
     ROOT,
     BenchSpec,
     kill_tree,
+    mock_trainer_flags,
+    worker_cmd,
     worker_env,
 )
 from megatron.training.config import padded_vocab_size
@@ -217,10 +219,7 @@ def run_ours(layers: int, offload: str, a, log_dir: str, cache_rate: float | Non
            "--global-batch-size", str(RANKS), "--train-iters", str(STEPS), "--seed", str(SEED),
            "--lr", str(LR), "--lr-decay-style", "constant", "--weight-decay", str(WEIGHT_DECAY),
            "--adam-beta1", str(BETAS[0]), "--adam-beta2", str(BETAS[1]), "--adam-eps", str(EPS),
-           "--clip-grad", str(CLIP_GRAD),
-           "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data", "--tokenizer-type", "NullTokenizer",
-           "--vocab-size", str(VOCAB), "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
-           "--distributed-backend", "gloo", "--deepspeed", "--deepspeed_config", cfg]
+           "--clip-grad", str(CLIP_GRAD), *mock_trainer_flags(VOCAB, "cpu"), "--deepspeed", "--deepspeed_config", cfg]
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
     t0 = time.perf_counter()
     rc, att.peak_mem_gib, att.peak_disk_gib = _run_job(cmd, att.log, a.nvme_path, a.timeout, env)
@@ -283,9 +282,7 @@ def run_deepspeed(layers: int, offload: str, a, log_dir: str) -> Attempt:
     spec_path = os.path.join(job, "spec.json")
     spec.save(spec_path)
     att.log = os.path.join(job, "log.txt")
-    cmd = [PEERS_PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
-           "-m", "benchmarks.peer_workers.worker", "--impl", "deepspeed", "--offload",
-           "--system", f"deepspeed-{offload}", "--spec", spec_path, "--out-dir", job]
+    cmd = worker_cmd(PEERS_PYTHON, RANKS, "deepspeed", f"deepspeed-{offload}", spec_path, job, offload=True)
     env = worker_env(a.threads)
     rc, att.peak_mem_gib, att.peak_disk_gib = _run_job(cmd, att.log, a.nvme_path, a.timeout, env)
     shutil.rmtree(os.path.join(a.nvme_path, "zero_stage_3"), ignore_errors=True)  # DeepSpeed leaves its swap files

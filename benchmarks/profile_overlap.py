@@ -8,7 +8,7 @@ How a trace is read: benchmarks/trace_overlap.py. The check passes when some cop
 
 Who writes traces: the peer workers' profiled steps (``BenchSpec.profile_steps``; gpu_check.sh's offload stage
 profiles ours and FSDP2's CPU offload on the 1.3B GPT, one step each after the timed ones) read them with
-``overlap_report``; ``--out`` profiles a stand-alone model: one process, ZeRO-3 with parameters and optimizer
+``report_from_trace``; ``--out`` profiles a stand-alone model: one process, ZeRO-3 with parameters and optimizer
 states in pinned host memory, bf16, a stack of MLP blocks (benchmarks/bench_overlap.py's model), two
 micro-batches per step, two untimed steps and three under the profiler, the trace kept as
 ``DIR/overlap_trace.json``.
@@ -16,15 +16,15 @@ Exit status 0 passes, 1 fails (the line says why), 2 no GPU (--out) or an unread
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 from benchmarks.one_line_args import OneLineParser
-from benchmarks.trace_overlap import overlap_report, report_from_trace
+from benchmarks.trace_overlap import report_from_trace
 
 
-def _profile(args) -> list[dict]:
+def _profile(args) -> str:
+    """Profile the MLP stack; the trace's path."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -61,8 +61,7 @@ def _profile(args) -> list[dict]:
     engine.close()
     path = os.path.join(args.out, "overlap_trace.json")
     prof.export_chrome_trace(path)
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)["traceEvents"]
+    return path
 
 
 def main(argv=None) -> int:
@@ -88,7 +87,7 @@ def main(argv=None) -> int:
             print("profile_overlap: no CUDA device", file=sys.stderr)
             return 2
         os.makedirs(args.out, exist_ok=True)
-        report = overlap_report(_profile(args))
+        report = report_from_trace(_profile(args))
     print(f"overlap: {report.line()}")
     if not report.concurrent:
         print("overlap: FAIL: no copy time ran beside compute kernels", file=sys.stderr)

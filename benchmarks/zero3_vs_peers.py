@@ -38,7 +38,10 @@ from benchmarks.peer_workers.harness import (
     RESULTS_DIR,
     ROOT,
     BenchSpec,
+    first_error,
+    fresh_job_dir,
     kill_tree,
+    worker_cmd,
     worker_env,
 )
 
@@ -170,41 +173,16 @@ def make_spec(a: argparse.Namespace) -> BenchSpec:
                      seed=a.seed, page_size=a.page_size, threads=a.threads)
 
 
-# Log lines that name a crash without a Python exception (a rank killed by a signal), most telling first.
-CRASH_MARKERS = ("terminate called", "Segmentation fault", "Killed", "traceback : Signal")
-
-
-def first_error(out_dir: str, log_path: str, rc: int) -> str:
-    """The failing rank's exception (one line), else the log's crash or last error line, else the exit code."""
-    for name in sorted(os.listdir(out_dir)):
-        if name.startswith("error_rank"):
-            with open(os.path.join(out_dir, name), encoding="utf-8") as f:
-                return f.readline().strip()
-    with open(log_path, encoding="utf-8", errors="replace") as f:
-        lines = [ln.strip() for ln in f]
-    for marker in CRASH_MARKERS:
-        hits = [ln for ln in lines if marker in ln]
-        if hits:
-            return f"exit code {rc}: {hits[0]}"
-    errors = [ln for ln in lines if "Error" in ln or "error:" in ln]
-    return errors[-1] if errors else f"exit code {rc}"
-
-
 def run_system(system: System, spec_path: str, spec: BenchSpec, a: argparse.Namespace, run_dir: str,
                round_index: int) -> Outcome:
     out_dir = os.path.join(run_dir, system.key if a.repeat == 1 else f"{system.key}-round{round_index + 1}")
-    os.makedirs(out_dir, exist_ok=True)
-    for name in os.listdir(out_dir):  # a reused --run-dir must not lend this job an earlier job's results
-        if name.startswith(("result_rank", "error_rank")):
-            os.remove(os.path.join(out_dir, name))
+    fresh_job_dir(out_dir)
     log_path = os.path.join(out_dir, "log.txt")
     python = a.peers_python if system.peers_env else sys.executable
     if not os.path.isfile(python):
         return Outcome(system, [], f"no python at {python}; run `source benchmarks/peers_env.sh` first", 0.0,
                        os.getloadavg()[0])
-    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.nproc),
-           "-m", "benchmarks.peer_workers.worker", "--impl", system.impl, "--system", system.key,
-           "--spec", spec_path, "--out-dir", out_dir] + (["--offload"] if system.offload else [])
+    cmd = worker_cmd(python, a.nproc, system.impl, system.key, spec_path, out_dir, system.offload)
     start = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log:
         log.write(" ".join(cmd) + "\n")

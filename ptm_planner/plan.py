@@ -5,9 +5,9 @@ The model states come from the engine's own code, not from formulas: the model i
 device (no memory) as the trainer builds it, posing as one rank of each distinct pipeline stage, and its
 parameters go through ``zero_cache.partition.plan_chunks`` / ``plan_sub_groups`` and
 ``zero_cache.placement.place_states`` with the config and budgets the planner writes, so the bytes per
-tier are what ``engine.memory_report()`` reports. Memory that is not model state is estimated: gathered
-parameters, gradient reduce buffers, activations (Korthikanti et al. 2022, "Reducing Activation
-Recomputation in Large Transformer Models"), the loss's logits and a per-process runtime overhead.
+tier are what ``engine.memory_report()`` reports. Memory that is not model state is estimated
+(non_state.py): gathered parameters, gradient reduce buffers, activations, the loss's logits and a
+per-process runtime overhead.
 
 Choice, fastest first: offload none; optimizer and parameters in host memory; the same with what the host
 cannot hold spilled to SSD; everything on SSD. Within each: one transformer layer per chunk, then one
@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron.core.transformer_config import TransformerConfig
+from ptm_planner.non_state import CPU_OVERHEAD, CUDA_OVERHEAD, GiB, NonState, RuntimeOverhead, non_state
 from ptm_planner.sizes import SIZES
 from ptm_planner.stages import Mesh, StageModel, build_stage, representative_stages
 from ptm_planner.step_time import Speeds, StepBreakdown, StepWork, balanced_rate, predict
@@ -38,7 +39,6 @@ from zero_cache.partition import ChunkPlan, plan_chunks, plan_sub_groups
 from zero_cache.placement import place_states
 from zero_cache.store import DEVICE, HOST, NVME, TIERS
 
-GiB = 2**30
 # Shares of each resource a plan may fill: the engine's own defaults for its budgets
 # (zero_cache.placement.machine_budgets): 90% of accelerator memory, 90% of host memory (split evenly
 # between the processes of a node), 95% of the free disk under nvme_path.
@@ -48,29 +48,6 @@ OFFLOADS = ("none", "cpu", "cpu+nvme", "nvme")  # fastest first
 # sub_group_size candidates (shard elements), largest (fewest, biggest SSD transfers) first.
 SUB_GROUP_SIZES = tuple(int(m * 10**e) for e in range(9, 2, -1) for m in (1, 0.5, 0.2))
 RATE_STEPS = 100  # prefetch_cache_sub_group_rate is chosen in steps of 1/RATE_STEPS
-
-
-@dataclass(frozen=True)
-class RuntimeOverhead:
-    """Per-process memory that is neither model state nor activations (interpreter, libraries, allocator)."""
-    host: int
-    device: int
-
-
-# CPU: pretrain_gpt.py peaks at 0.32 GiB RSS on a 60k-parameter model here (torch 2.13, gloo, with and
-# without --deepspeed); 0.5 GiB leaves room for data-loader buffers and allocator slack.
-CPU_OVERHEAD = RuntimeOverhead(host=GiB // 2, device=0)
-# CUDA (not measured on this machine): the CUDA context and caching-allocator slack on the device, the
-# CUDA libraries mapped into every process on the host.
-CUDA_OVERHEAD = RuntimeOverhead(host=2 * GiB, device=GiB)
-# CPU with full recompute: what glibc's heap keeps per transformer layer and micro-batch in flight, in layer
-# inputs (s*b*h elements), beyond the one input the recompute saves: the recomputed block's intermediates and
-# gradients below the 4 MiB mmap threshold (zero_cache/host_memory.py) and its fragmentation around the saved
-# inputs. Fitted to the peak RSS of a rank in 2-rank runs of the max-scale family with states on SSD
-# (benchmarks/RESULTS.md, "At the edge of RAM"): without this term the plan was 0.29 GiB above it at 18 layers
-# and 1.63 GiB below it at 106; with it, 0.61 and 0.24 GiB above. Measured with reuse_freed_host_memory false,
-# which the planner writes (ds_config).
-CPU_HEAP_PER_RECOMPUTED_LAYER = 9
 
 
 @dataclass(frozen=True)
@@ -215,68 +192,6 @@ def account_states(plans: list[ChunkPlan], sub_groups: list[list[int]], cfg: Zer
     return StateAccount(by_kind_tier, placed.staging, disk, placed.opt_tiers, len(sub_groups), cached)
 
 
-# ---- memory that is not model state ------------------------------------------------------------------
-@dataclass(frozen=True)
-class NonState:
-    gathered: int  # stage-3 parameters gathered for compute (compute dtype)
-    reduce_buffers: int  # gradient chunks being reduce-scattered (compute dtype)
-    activations: int  # with the chosen recompute setting
-    activations_full: int  # without recompute
-    activations_recompute: int  # with full recompute
-    logits: int
-    overhead_device: int
-    overhead_host: int
-
-    @property
-    def device_side(self) -> int:
-        return (self.gathered + self.reduce_buffers + self.activations + self.logits
-                + self.overhead_device)
-
-
-def activation_bytes(cfg: TransformerConfig, micro_batch: int, tp: int, layers: int, in_flight: int,
-                     recompute: bool) -> int:
-    """Activations one rank keeps for backward (Korthikanti et al. 2022, without sequence parallelism).
-
-    Per layer, 16-bit: s*b*h*(10 + (8 + 4*f/h*m)/t) + 5*a*s^2*b/t bytes (m = 2 with SwiGLU), which is
-    s*b*h*(34 + 5*a*s/h) for f = 4h, t = 1; fp32 doubles it. With full recompute only each recompute
-    block's input (s*b*h elements) stays, plus one block's working set while it is recomputed. A 1F1B
-    pipeline stage holds ``in_flight`` micro-batches.
-    """
-    s, b, h, a = cfg.seq_length, micro_batch, cfg.hidden_size, cfg.num_attention_heads
-    mlp = 4 * cfg.ffn_hidden_size / h * (2 if cfg.swiglu else 1)
-    per_layer = s * b * h * (10 + (8 + mlp) / tp) + 5 * a * s * s * b / tp
-    elem = cfg.params_dtype.itemsize
-    per_layer *= elem / 2
-    if not recompute:
-        return int(in_flight * layers * per_layer)
-    k = min(cfg.recompute_num_layers, layers) if layers else 0
-    blocks = -(-layers // k) if k else 0
-    return int(in_flight * blocks * s * b * h * elem + k * per_layer)
-
-
-def non_state(request: Request, stage: StageModel, plans: list[ChunkPlan], option: Option, arena: int) -> NonState:
-    cfg, mesh = request.model, request.mesh
-    elem = request.dtype.itemsize
-    largest = max((c.padded for c in plans), default=0)
-    # Gathered chunks are carved from the arena (max_contigous_params_size), allocated whole at start-up.
-    gathered = arena * elem
-    # max_param_reduce_events reductions in flight, one chunk accumulating, one parameter's gradient.
-    reduce = min(sum(c.padded for c in plans), 3 * largest) * elem
-    in_flight = mesh.pp - stage.stage
-    mb = option.micro_batch_size
-    acts = {rc: activation_bytes(cfg, mb, mesh.tp, stage.num_layers, in_flight, rc) for rc in (False, True)}
-    if request.hardware.device == "cpu":
-        acts[True] += int(CPU_HEAP_PER_RECOMPUTED_LAYER * in_flight * stage.num_layers * cfg.seq_length * mb
-                          * cfg.hidden_size * elem)
-    last = stage.stage == mesh.pp - 1
-    # The loss (megatron/core/tensor_parallel/cross_entropy.py) holds the logits, their fp32 copy shifted by
-    # the max and its exp at once: 12 bytes per logit in fp32 (one copy is the logits), 14 in 16-bit.
-    per_logit = 12 if elem == 4 else 12 + elem
-    logits = cfg.seq_length * mb * (cfg.padded_vocab_size // mesh.tp) * per_logit if last else 0
-    ov = request.hardware.overhead
-    return NonState(gathered, reduce, acts[option.recompute], acts[False], acts[True], logits, ov.device, ov.host)
-
-
 # ---- one candidate, all stages -----------------------------------------------------------------------
 @dataclass
 class StagePlan:
@@ -345,6 +260,12 @@ class Planner:
         return max(arena_numel([c.padded for c in plans if not c.resident], elem, option.keep_gathered)
                    for plans in self.plans(option.page))
 
+    def non_state(self, stage: StageModel, plans: list[ChunkPlan], option: Option) -> NonState:
+        r = self.request
+        return non_state(r.model, r.mesh, stage, plans, micro_batch=option.micro_batch_size,
+                         recompute=option.recompute, arena=self.arena(option), cpu=self.cpu,
+                         overhead=r.hardware.overhead)
+
     def keep_choices(self) -> tuple[bool, ...]:
         """keep_gathered, fastest first: on an accelerator the gathered parameters stay for the backward when
         device memory allows; on a CPU machine the device tier is host memory, kept for the states."""
@@ -393,7 +314,7 @@ class Planner:
             cap = dict.fromkeys(cap, sys.maxsize // 4)
         _, cfg = self.parse(option, None)
         plans = self.plans(option.page)
-        nonstate = [non_state(self.request, s, p, option, self.arena(option)) for s, p in zip(self.stages, plans)]
+        nonstate = [self.non_state(s, p, option) for s, p in zip(self.stages, plans)]
         sgs = [self.sub_groups(option.page, i, option.sub_group_size) for i in range(len(self.stages))]
         dtype = self.request.dtype
         # The device-tier states do not depend on the host budget (what spills goes from the host to SSD).

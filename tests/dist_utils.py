@@ -18,11 +18,16 @@ import os
 import pickle
 import queue
 import socket
+import sys
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# torchrun, of the interpreter running the tests: a venv made over a GPU machine's own torch
+# (--system-site-packages) has no bin/torchrun of its own.
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def free_port() -> int:

@@ -22,16 +22,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import logging
 import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 SWAP, NATIVE = "swap_data_ptr", "native"
 _SOURCE = Path(__file__).with_name("storage_pointer.cpp")
@@ -82,8 +80,8 @@ def build_dir() -> Path:
 
 
 @functools.lru_cache(maxsize=1)
-def _build() -> tuple[ctypes.CDLL | None, str | None]:
-    """(the loaded helper, None) or (None, why it is not there). Built at most once per process."""
+def _build() -> tuple[Callable | None, str | None]:
+    """(the helper's function, None) or (None, why it is not there). Built at most once per process."""
     include = Path(torch.__file__).parent / "include"
     lib = Path(torch.__file__).parent / "lib"
     if not (include / "c10" / "core" / "StorageImpl.h").is_file():

@@ -190,7 +190,6 @@ class DeviceHostStore(ShardStore):
             pinning = CudaPinning()
         self.pinning = pinning
         self.host_arena = HostArena(pinning, host_bytes) if pin_host and pinning is not None else None
-        self.pin_host = self.host_arena is not None
         self.copy_staging = copy_staging  # host bytes of the pinned staging pools of host <-> device copies
         self.budgets = dict(budgets or {})
         self._tensors: dict[str, torch.Tensor] = {}

@@ -14,7 +14,7 @@ class DdpTrainer:
         if offload:
             raise ValueError("DDP has no CPU offload; run it without --offload")
         if spec.dtype != "fp32":
-            # The fp32 reference; in bf16 the trainer's Megatron backend (fp32 main grads) is the reference.
+            # The fp32 reference; in bf16 a peer is (benchmarks/gpu_peers.py REFERENCES).
             raise ValueError(f"DDP is the fp32 loss reference; it does not run {spec.dtype}")
         device = compute_device(spec)
         model = model.to(device)

@@ -1,4 +1,5 @@
-"""What every system's worker shares: the spec, the model, the batches, the timed loop and peak RSS.
+"""What every system's worker shares: the spec, the model, the batches, the timed loop and peak RSS; and what
+the drivers that start the workers share: one job run under a time limit, its telling error line.
 
 Every system trains the same GPTModel (tensor/pipeline size 1, seeded per-parameter init, no dropout) on
 the same synthetic tokens with the same optimizer hyper-parameters, so their losses must agree; only the
@@ -13,6 +14,8 @@ import dataclasses
 import datetime
 import json
 import os
+import signal
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -39,6 +42,7 @@ def worker_env(threads: int) -> dict[str, str]:
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/ptm/torch_extensions"))
     return env
 
+
 def kill_tree(pid: int) -> None:
     """SIGKILL a job and everything under it. Killing a torchrun's process group is not enough: it starts each
     rank in a session of its own, and a rank left behind would keep its GPU memory."""
@@ -53,6 +57,98 @@ def kill_tree(pid: int) -> None:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(procs, timeout=30)
+
+
+class Terminated(Exception):
+    """SIGTERM to a driver (raise_on_sigterm): its caller's time limit."""
+
+
+_terminated = False
+
+
+def raise_on_sigterm() -> None:
+    """From now on SIGTERM raises Terminated, and terminated() stays true so that no later job starts."""
+
+    def handler(signum, frame):
+        global _terminated
+        _terminated = True
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def terminated() -> bool:
+    return _terminated
+
+
+def run_job(cmd: list[str], log_path: str, timeout_s: float, env: dict) -> tuple[int | None, float]:
+    """Run ``cmd`` from the repository root in a session of its own, the command line then its output in
+    ``log_path``: (exit code, or None when cut short by ``timeout_s`` or SIGTERM; wall seconds). A job cut short
+    goes whole; the caller still reads what it wrote (terminated() tells a SIGTERM, which it must then honour)."""
+    start = time.perf_counter()
+    with open(log_path, "w", encoding="utf-8") as log:
+        log.write(" ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except (subprocess.TimeoutExpired, Terminated):
+            rc = None
+        finally:
+            if proc.poll() is None:
+                kill_tree(proc.pid)
+                proc.wait()
+    return rc, time.perf_counter() - start
+
+
+def cut_reason(timeout_s: float, wall_s: float) -> str:
+    """Why run_job returned None."""
+    return f"stopped by SIGTERM after {wall_s:.0f} s" if _terminated else f"killed after {timeout_s:.0f} s"
+
+
+# Log lines that name a crash without a Python exception (a rank killed by a signal), most telling first.
+CRASH_MARKERS = ("terminate called", "Segmentation fault", "Killed", "traceback : Signal")
+
+
+def first_error(out_dir: str, log_path: str, rc: int) -> str:
+    """The failing rank's exception (one line), else the log's crash or last error line, else the exit code."""
+    for name in sorted(os.listdir(out_dir)):
+        if name.startswith("error_rank"):
+            with open(os.path.join(out_dir, name), encoding="utf-8") as f:
+                return f.readline().strip()
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        lines = [ln.strip() for ln in f]
+    for marker in CRASH_MARKERS:
+        hits = [ln for ln in lines if marker in ln]
+        if hits:
+            return f"exit code {rc}: {hits[0]}"
+    errors = [ln for ln in lines if "Error" in ln or "error:" in ln]
+    return errors[-1] if errors else f"exit code {rc}"
+
+
+def fresh_job_dir(out_dir: str) -> None:
+    """Make ``out_dir``; a reused one must not lend this job an earlier job's rank files."""
+    os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(out_dir):
+        if name.startswith(("result_rank", "error_rank", "partial_rank")):
+            os.remove(os.path.join(out_dir, name))
+
+
+def worker_cmd(python: str, nproc: int, impl: str, system: str, spec_path: str, out_dir: str,
+               offload: bool) -> list[str]:
+    """One system's torchrun job of ``benchmarks.peer_workers.worker``."""
+    return [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            "-m", "benchmarks.peer_workers.worker", "--impl", impl, "--system", system, "--spec", spec_path,
+            "--out-dir", out_dir] + (["--offload"] if offload else [])
+
+
+def mock_trainer_flags(vocab: int, device: str) -> list[str]:
+    """pretrain_gpt.py flags every benchmark run of the trainer shares: no dropout, the mock samples of a
+    NullTokenizer vocabulary (the ones BenchSpec.mock_data_vocab reproduces), every iteration logged (for
+    tools/plot_run.py), no evaluation, no loader workers."""
+    return ["--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", str(vocab), "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
+            "--distributed-backend", "nccl" if device == "cuda" else "gloo"]
 
 
 BETAS = (0.9, 0.95)
@@ -221,7 +317,7 @@ class PeakRss:
 
 def _profile(step: Callable[[int], float], steps: range, device: torch.device, out_dir: str, rank: int) -> dict:
     """Run ``steps`` under torch.profiler, keep the Chrome trace in ``out_dir`` and return how much of its
-    host <-> device copy time ran under compute kernels (benchmarks/profile_overlap.py reads it)."""
+    host <-> device copy time ran under compute kernels (read by benchmarks/trace_overlap.py)."""
     from torch.profiler import ProfilerActivity, profile
 
     from benchmarks.trace_overlap import report_from_trace

@@ -16,9 +16,6 @@ import psutil
 REPO = Path(__file__).resolve().parents[2]
 STANDIN = "tests/launcher/standin_train.py"
 _STEP_RE = re.compile(r"step (\d+) loss (\S+)")
-# Plain torchrun, of the interpreter running the tests: a venv made over a GPU machine's own torch
-# (--system-site-packages) has no bin/torchrun of its own.
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def is_torchrun(argv: list[str]) -> bool:

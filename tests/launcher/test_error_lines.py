@@ -14,7 +14,8 @@ import pytest
 from megatron.training import errors
 from megatron.training.arguments import ConfigError
 from tests.data.common import make_dataset
-from tests.launcher.launch_utils import REPO, TORCHRUN, LiveLauncher, run_launcher
+from tests.dist_utils import TORCHRUN
+from tests.launcher.launch_utils import REPO, LiveLauncher, run_launcher
 from tests.training.parallel_harness import TINY_GPT
 from zero_cache import SSDTierError
 

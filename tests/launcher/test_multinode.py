@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist_utils import TORCHRUN
 from tests.launcher.launch_utils import (
     REPO,
     STANDIN,
-    TORCHRUN,
     LiveLauncher,
     gpt_losses_by_iteration,
     is_torchrun,

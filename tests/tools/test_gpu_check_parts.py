@@ -45,8 +45,8 @@ def _peers(tmp_path, offload=False):
 
 def test_summary_after_each_stage_has_the_machine_the_peak_the_rows_and_the_ratios(tmp_path):
     files = ["--state", str(tmp_path / "f.json"), "--summary", str(tmp_path / "s.md"), "--logs", str(tmp_path / "l")]
-    assert rep.main([*files, "stage", "--name", "x", "--title", "x", "--rc", "0", "--seconds", "1", "--cap", "1",
-                     "--kind", "setup"]) == 2  # no record yet
+    no_record = [*files, "stage", "--name", "x", "--title", "x", "--rc", "0", "--seconds", "1", "--cap", "1"]
+    assert rep.main(no_record) == 2  # no record yet
     assert rep.main([*files, "init", "--budget", "465"]) == 0
     machine = tmp_path / "machine.txt"
     machine.write_text("gpu_name=NVIDIA H200\ndriver=570.1\ncores=16\nram_total_gib=128\nram_available_gib=120\n"
@@ -59,13 +59,14 @@ def test_summary_after_each_stage_has_the_machine_the_peak_the_rows_and_the_rati
                                 "min_tflops": 730.0, "max_tflops": 748.0}))
     log = tmp_path / "stage.log"
     log.write_text("+ cmd\nRuntimeError: CUDA error: out of memory | really\n")
-    stages = [("preflight", "1 preflight", 0, "preflight", ["--result", str(peak)]),
-              ("dense", "3 dense", 0, "peers", ["--result", str(_peers(tmp_path))]),
-              ("offload", "4 offload", 1, "peers", ["--result", str(_peers(tmp_path, offload=True))]),
-              ("maxscale", "5 largest", 1, "maxscale", ["--result", str(tmp_path / "missing.json")])]
-    for name, title, rc, kind, extra in stages:
+    # The name says how a stage's result is read (dense and offload: gpu_peers's JSON).
+    stages = [("preflight", "1 preflight", 0, ["--result", str(peak)]),
+              ("dense", "3 dense", 0, ["--result", str(_peers(tmp_path))]),
+              ("offload", "4 offload", 1, ["--result", str(_peers(tmp_path, offload=True))]),
+              ("maxscale", "5 largest", 1, ["--result", str(tmp_path / "missing.json")])]
+    for name, title, rc, extra in stages:
         assert rep.main([*files, "stage", "--name", name, "--title", title, "--rc", str(rc), "--seconds", "10",
-                         "--cap", "60", "--kind", kind, "--log", str(log), *extra]) == 0
+                         "--cap", "60", "--log", str(log), *extra]) == 0
         assert f"| {title} |" in (tmp_path / "s.md").read_text()  # rewritten at once
     assert rep.main([*files, "note", "a note"]) == 0
     text = (tmp_path / "s.md").read_text()
@@ -81,6 +82,7 @@ def test_summary_after_each_stage_has_the_machine_the_peak_the_rows_and_the_rati
     assert "- a note" in text and "#### 3 dense" in text and "GPT 1.3B" in text
     state = json.loads((tmp_path / "f.json").read_text())
     assert [s["name"] for s in state["stages"]] == ["preflight", "dense", "offload", "maxscale"]
+    assert [s["kind"] for s in state["stages"]] == ["preflight", "peers", "peers", "maxscale"]
     assert (tmp_path / "l").read_text().count("=====") == 2 * 4  # one log tail per stage
 
 
@@ -89,10 +91,10 @@ def test_a_stage_recorded_again_replaces_its_row(tmp_path):
     rep.main([*files, "init", "--budget", "100"])
     for rc in (1, 0):
         rep.main([*files, "stage", "--name", "setup", "--title", "0 set-up", "--rc", str(rc), "--seconds", "1",
-                  "--cap", "30", "--kind", "setup", "--figures", "python3"])
+                  "--cap", "30", "--figures", "python3"])
     assert json.loads((tmp_path / "f.json").read_text())["stages"][0]["status"] == "PASS"
     rep.main([*files, "stage", "--name", "dense", "--title", "3 dense", "--rc", "0", "--seconds", "0", "--cap", "140",
-              "--kind", "peers", "--status", "SKIPPED", "--figures", "no CUDA device"])
+              "--status", "SKIPPED", "--figures", "no CUDA device"])
     assert "| 3 dense | SKIPPED | 0 (140) | no CUDA device |" in (tmp_path / "s.md").read_text()
 
 

@@ -61,7 +61,7 @@ def test_peers_on_cpu_train_the_same_losses_and_feed_the_summary(tmp_path):
     assert len(res["table"]) == 2 + 4 + 2  # header, rule, one row per system, a blank line, the ratio
 
     summary = _report(tmp_path, "--name", "dense", "--title", "3 dense", "--rc", "0", "--seconds", "30", "--cap",
-                      "140", "--kind", "peers", "--result", str(out))
+                      "140", "--result", str(out))
     assert "ours (trainer) / FSDP2" in summary and "losses agree" in summary and "#### 3 dense" in summary
     assert "| ours: pretrain_gpt.py --deepspeed (zero_cache ZeRO-3) |" in summary
 
@@ -112,5 +112,5 @@ def test_max_scale_on_cpu_plans_trains_three_steps_and_reports_each_tier(tmp_pat
     assert run["peak_gib"]["peak rss"] > 0 and os.path.isfile(run["log"])
     assert not (scratch / "zc_pages").exists()  # the page files are removed, the folder given is kept
     summary = _report(tmp_path, "--name", "maxscale", "--title", "5 largest", "--rc", "0", "--seconds", "20",
-                      "--cap", "65", "--kind", "maxscale", "--result", str(out))
+                      "--cap", "65", "--result", str(out))
     assert "| tier | planned need (GiB) | measured peak (GiB) |" in summary and "| host | " in summary

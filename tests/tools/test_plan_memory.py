@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ptm_planner.cli import EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, EXIT_FITS, main, request_from_args
-from ptm_planner.plan import GiB, Option, Planner, StagePlan, account_states, non_state, with_layers
+from ptm_planner.plan import GiB, Option, Planner, StagePlan, account_states, with_layers
 from ptm_planner.sizes import SIZES, table
 from tests.dist_utils import run_distributed
 from tests.training.parallel_harness import TINY_GPT
@@ -172,7 +172,7 @@ def test_cpu_plan_covers_the_peak_rss_measured_with_its_config(layers, page, sub
     plans = planner.plans(page)[0]
     states = account_states(plans, planner.sub_groups(page, 0, sub_group_size), cfg, torch.float32,
                             torch.device("cpu"), host_budget)
-    nonstate = non_state(request, planner.stages[0], plans, option, planner.arena(option))
+    nonstate = planner.non_state(planner.stages[0], plans, option)
     need = StagePlan(0, planner.stages[0].numel, states, nonstate).need()
     planned = (need["device"] + need["host"]) / GiB  # on CPU both tiers are host memory
     assert peak_rss_gib <= planned <= peak_rss_gib + 0.75, planned

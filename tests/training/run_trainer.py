@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.dist_utils import TORCHRUN
+
 ROOT = Path(__file__).resolve().parents[2]
 _LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.]+E[+-]\d+)")
 
@@ -23,9 +25,7 @@ def start(argv: list[str], nproc: int = 1) -> subprocess.Popen:
     if nproc == 1:
         cmd = [sys.executable, "pretrain_gpt.py", *argv]
     else:
-        # torchrun as a module: a venv over a GPU machine's own torch has no bin/torchrun.
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "pretrain_gpt.py", *argv]
+        cmd = [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", "pretrain_gpt.py", *argv]
     return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             bufsize=1)
 

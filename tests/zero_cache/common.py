@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import zero_cache
 from zero_cache.weight_grad import embedding, linear
 
 VOCAB, HIDDEN, SEQ, LAYERS = 64, 16, 8, 2
@@ -76,6 +77,15 @@ class TinyGPT(nn.Module):
 def make_model(seed: int = 0, **kw) -> TinyGPT:
     torch.manual_seed(seed)
     return TinyGPT(**kw)
+
+
+def make_engine(config: dict, seed: int = 0, **model_kw):
+    """``make_model``'s model in a zero_cache engine, its tied head registered as a user of the embedding
+    (the model is ``engine.module``)."""
+    model = make_model(seed, **model_kw)
+    engine = zero_cache.initialize(model=model, config=config)
+    engine.register_external_parameter(model.head, model.embed.weight)
+    return engine
 
 
 def batches(steps: int = STEPS, seed: int = 1) -> torch.Tensor:

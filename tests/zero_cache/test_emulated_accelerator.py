@@ -18,7 +18,6 @@ import time
 import pytest
 import torch
 
-import zero_cache
 from tests.dist_utils import run_distributed
 from tests.zero_cache.common import (
     CLIP,
@@ -28,7 +27,7 @@ from tests.zero_cache.common import (
     assert_close_weights,
     batches,
     ds_config,
-    make_model,
+    make_engine,
     rank_micro_batches,
     reference_run,
     to_numpy,
@@ -63,13 +62,6 @@ def _config(world_size: int, offload: str, rate: float, nvme: str = "", emulator
     return ds_config(3, world_size, **zero)
 
 
-def _engine(config):
-    model = make_model()
-    engine = zero_cache.initialize(model=model, config=config)
-    engine.register_external_parameter(model.head, model.embed.weight)
-    return engine
-
-
 def _train(engine, rank: int, world_size: int, steps: int = STEPS):
     """Losses, each step's copy and speculation reports, and whether each step returned with its update still
     running."""
@@ -92,7 +84,7 @@ def _train(engine, rank: int, world_size: int, steps: int = STEPS):
 def _run_cases(rank, world_size, nvme):
     out = {}
     for name, offload, rate, extra in CASES:
-        engine = _engine(_config(world_size, offload, rate, nvme, **extra))
+        engine = make_engine(_config(world_size, offload, rate, nvme, **extra))
         losses, copies, spec, running = _train(engine, rank, world_size)
         host_grads = [c.plan.shard for c in engine.chunks if engine.reducer.to_host[c.index]]
         held = [engine.chunks[c].plan.shard for c in engine.reducer.keep if engine.reducer.to_host[c]]
@@ -160,8 +152,8 @@ def test_speculation_is_accepted_without_clipping_and_redone_with_it(results, re
 # ---- the harness catches races (one process: no spawn) --------------------------------------------------
 def _single_process_losses(steps: int = 2) -> list[float]:
     # Gathers on demand (no prefetch): each is waited for right after it is issued, while its copy is in flight.
-    engine = _engine(_config(1, "cpu", 0.0, emulator={**EMULATOR, "random_delay_ms": 0.0},
-                             stage3_prefetch_bucket_size=0))
+    engine = make_engine(_config(1, "cpu", 0.0, emulator={**EMULATOR, "random_delay_ms": 0.0},
+                                 stage3_prefetch_bucket_size=0))
     try:
         return _train(engine, 0, 1, steps)[0]
     finally:
@@ -202,7 +194,7 @@ def test_update_under_the_forward_copies_bf16_shards_to_the_device_and_the_forwa
     def run(overlap: bool) -> tuple[list[float], dict, list[bool]]:
         cfg = _config(1, "cpu", 0.0, emulator=slow, offload_param={"device": "none"},
                       overlap_optimizer_step=overlap) | {"bf16": {"enabled": True}}
-        engine = _engine(cfg)
+        engine = make_engine(cfg)
         try:
             assert all(engine.optimizer.crossing.values())  # every write-back is a copy to the device
             losses, _, _, running = _train(engine, 0, 1, steps=3)
@@ -289,7 +281,7 @@ def test_emulator_is_accepted_only_on_cpu_compute():
 
 
 def test_log_line_shows_copy_time_issued_and_blocked(caplog):
-    engine = _engine(_config(1, "cpu", 0.0) | {"steps_per_print": 1})
+    engine = make_engine(_config(1, "cpu", 0.0) | {"steps_per_print": 1})
     with caplog.at_level(logging.INFO, logger="zero_cache.engine"):
         _train(engine, 0, 1, steps=1)
     stats = engine.copy_stats()
@@ -301,7 +293,7 @@ def test_log_line_shows_copy_time_issued_and_blocked(caplog):
 
 
 def test_log_line_of_the_host_update_under_the_next_forward(caplog):
-    engine = _engine(_config(1, "cpu", 0.0) | {"steps_per_print": 1})
+    engine = make_engine(_config(1, "cpu", 0.0) | {"steps_per_print": 1})
     with caplog.at_level(logging.INFO, logger="zero_cache.engine"):
         _train(engine, 0, 1, steps=2)  # step 1's update ends under step 2's forward, and is logged then
         engine.close()

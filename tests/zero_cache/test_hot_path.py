@@ -21,9 +21,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import zero_cache
 from tests.dist_utils import run_distributed
-from tests.zero_cache.common import batches, ds_config, make_model, rank_micro_batches
+from tests.zero_cache.common import batches, ds_config, make_engine, rank_micro_batches
 from zero_cache.comm import observe_collectives
 from zero_cache.optimizer import ShardedAdam
 
@@ -65,15 +64,8 @@ def _config(world_size, where: str, nvme: str, pinned: bool, bf16: bool = False,
     return cfg
 
 
-def _engine(config):
-    model = make_model()
-    engine = zero_cache.initialize(model=model, config=config)
-    engine.register_external_parameter(model.head, model.embed.weight)
-    return model, engine
-
-
 def _audit(rank, world_size, config):
-    _, engine = _engine(config)
+    engine = make_engine(config)
     data = batches(STEPS)
     rows = []
     for s in range(STEPS):
@@ -123,8 +115,8 @@ def _sequence(rank, world_size, config, seed):
         time.sleep(rng.uniform(0, 0.004))
         return update(self, *args, **kwargs)
     ShardedAdam._update = slow_update
-    model, engine = _engine(config)
-    for m in model.modules():
+    engine = make_engine(config)
+    for m in engine.module.modules():
         m.register_forward_pre_hook(lambda *_: time.sleep(rng.uniform(0, 0.003)))
     data = batches(STEPS)
     with observe_collectives(lambda kind, tensor, group, tag: requests.append((kind, tag, tensor.numel()))):

@@ -9,8 +9,7 @@ import gc
 import pytest
 import torch
 
-import zero_cache
-from tests.zero_cache.common import batches, ds_config, make_model, train_engine
+from tests.zero_cache.common import batches, ds_config, make_engine, train_engine
 from zero_cache.aio import AlignedBuffer
 from zero_cache.pinned_memory import ALIGN_BYTES, HostArena
 from zero_cache.store import HOST
@@ -70,20 +69,13 @@ def test_a_mapping_is_unpinned_after_its_last_view_and_pinned_again_where_it_mov
     assert not pinning.live
 
 
-def _engine(config):
-    model = make_model()
-    engine = zero_cache.initialize(model=model, config=config)
-    engine.register_external_parameter(model.head, model.embed.weight)
-    return engine
-
-
 def test_pinned_host_shards_share_one_arena_sized_by_the_placement(monkeypatch):
     copies = []
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t, *a: copies.append(t.numel()) or t)
     cfg = ds_config(3, 1, offload=True, emulated_accelerator=EMULATOR)
     for key in ("offload_optimizer", "offload_param"):
         cfg["zero_optimization"][key]["pin_memory"] = True
-    engine = _engine(cfg)
+    engine = make_engine(cfg)
     streams, store = engine.streams, engine.store
     host = [store.get(c.state_key(name)) for c in engine.chunks for name in ("param", "master", "grad", "exp_avg",
                                                                            "exp_avg_sq")
@@ -103,8 +95,8 @@ def test_pinned_host_shards_share_one_arena_sized_by_the_placement(monkeypatch):
 def test_ssd_staging_buffers_are_pinned_whatever_pin_memory_says(tmp_path, pin_memory):
     """Parameter shards read from SSD reach the device from the buffer they were read into: no staging copy."""
     where = {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": pin_memory}
-    engine = _engine(ds_config(3, 1, offload_param=dict(where), offload_optimizer=dict(where),
-                               emulated_accelerator=EMULATOR))
+    engine = make_engine(ds_config(3, 1, offload_param=dict(where), offload_optimizer=dict(where),
+                                   emulated_accelerator=EMULATOR))
     train_engine(engine, batches(2), 0, 1, steps=[0, 1])
     stats = engine.copy_stats()
     assert stats.h2d_bytes > 0  # the shards did cross to the device

@@ -8,14 +8,13 @@ import logging
 import pytest
 import torch
 
-import zero_cache
 from tests.dist_utils import run_distributed
 from tests.zero_cache.common import (
     assert_close_losses,
     assert_close_weights,
     batches,
     ds_config,
-    make_model,
+    make_engine,
     reference_run,
     to_numpy,
     train_engine,
@@ -73,9 +72,7 @@ def _train(rank, world_size, arena, force):
 
     if force:
         os.environ["ZERO_CACHE_STORAGE_POINTER"] = "native"
-    model = make_model(activation_checkpointing=True)
-    engine = zero_cache.initialize(model=model, config=ds_config(3, world_size, max_contigous_params_size=arena))
-    engine.register_external_parameter(model.head, model.embed.weight)
+    engine = make_engine(ds_config(3, world_size, max_contigous_params_size=arena), activation_checkpointing=True)
     losses = train_engine(engine, batches(STEPS), rank, world_size)
     out = {"losses": losses, "weights": to_numpy(engine.gather_state_dict()),
            "arena": engine.coordinator.arena is not None, "mechanism": storage_pointer.mechanism()}

@@ -1,0 +1,98 @@
+"""The planner's estimate of the memory that is not model state: gathered parameters, gradient reduce buffers,
+activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"), the
+loss's logits and a per-process runtime overhead. The model states themselves come from the engine's own
+placement code (plan.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.core.transformer_config import TransformerConfig
+from ptm_planner.stages import Mesh, StageModel
+from zero_cache.partition import ChunkPlan
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class RuntimeOverhead:
+    """Per-process memory that is neither model state nor activations (interpreter, libraries, allocator)."""
+    host: int
+    device: int
+
+
+# CPU: pretrain_gpt.py peaks at 0.32 GiB RSS on a 60k-parameter model here (torch 2.13, gloo, with and
+# without --deepspeed); 0.5 GiB leaves room for data-loader buffers and allocator slack.
+CPU_OVERHEAD = RuntimeOverhead(host=GiB // 2, device=0)
+# CUDA (not measured on this machine): the CUDA context and caching-allocator slack on the device, the
+# CUDA libraries mapped into every process on the host.
+CUDA_OVERHEAD = RuntimeOverhead(host=2 * GiB, device=GiB)
+# CPU with full recompute: what glibc's heap keeps per transformer layer and micro-batch in flight, in layer
+# inputs (s*b*h elements), beyond the one input the recompute saves: the recomputed block's intermediates and
+# gradients below the 4 MiB mmap threshold (zero_cache/host_memory.py) and its fragmentation around the saved
+# inputs. Fitted to the peak RSS of a rank in 2-rank runs of the max-scale family with states on SSD
+# (benchmarks/RESULTS.md, "At the edge of RAM"): without this term the plan was 0.29 GiB above it at 18 layers
+# and 1.63 GiB below it at 106; with it, 0.61 and 0.24 GiB above. Measured with reuse_freed_host_memory false,
+# which the planner writes (ds_config).
+CPU_HEAP_PER_RECOMPUTED_LAYER = 9
+
+
+@dataclass(frozen=True)
+class NonState:
+    gathered: int  # stage-3 parameters gathered for compute (compute dtype)
+    reduce_buffers: int  # gradient chunks being reduce-scattered (compute dtype)
+    activations: int  # with the chosen recompute setting
+    activations_full: int  # without recompute
+    activations_recompute: int  # with full recompute
+    logits: int
+    overhead_device: int
+    overhead_host: int
+
+    @property
+    def device_side(self) -> int:
+        return (self.gathered + self.reduce_buffers + self.activations + self.logits
+                + self.overhead_device)
+
+
+def activation_bytes(cfg: TransformerConfig, micro_batch: int, tp: int, layers: int, in_flight: int,
+                     recompute: bool) -> int:
+    """Activations one rank keeps for backward (Korthikanti et al. 2022, without sequence parallelism).
+
+    Per layer, 16-bit: s*b*h*(10 + (8 + 4*f/h*m)/t) + 5*a*s^2*b/t bytes (m = 2 with SwiGLU), which is
+    s*b*h*(34 + 5*a*s/h) for f = 4h, t = 1; fp32 doubles it. With full recompute only each recompute
+    block's input (s*b*h elements) stays, plus one block's working set while it is recomputed. A 1F1B
+    pipeline stage holds ``in_flight`` micro-batches.
+    """
+    s, b, h, a = cfg.seq_length, micro_batch, cfg.hidden_size, cfg.num_attention_heads
+    mlp = 4 * cfg.ffn_hidden_size / h * (2 if cfg.swiglu else 1)
+    per_layer = s * b * h * (10 + (8 + mlp) / tp) + 5 * a * s * s * b / tp
+    elem = cfg.params_dtype.itemsize
+    per_layer *= elem / 2
+    if not recompute:
+        return int(in_flight * layers * per_layer)
+    k = min(cfg.recompute_num_layers, layers) if layers else 0
+    blocks = -(-layers // k) if k else 0
+    return int(in_flight * blocks * s * b * h * elem + k * per_layer)
+
+
+def non_state(cfg: TransformerConfig, mesh: Mesh, stage: StageModel, plans: list[ChunkPlan], *,
+              micro_batch: int, recompute: bool, arena: int, cpu: bool, overhead: RuntimeOverhead) -> NonState:
+    """One pipeline stage's memory besides its states: ``arena`` elements of gathered parameters
+    (max_contigous_params_size, allocated whole at start-up), reduce buffers, activations and logits of
+    ``micro_batch``, and ``overhead``; ``cpu``: the device tier is host memory (glibc's heap term applies)."""
+    elem = cfg.params_dtype.itemsize
+    largest = max((c.padded for c in plans), default=0)
+    gathered = arena * elem
+    # max_param_reduce_events reductions in flight, one chunk accumulating, one parameter's gradient.
+    reduce = min(sum(c.padded for c in plans), 3 * largest) * elem
+    in_flight = mesh.pp - stage.stage
+    acts = {rc: activation_bytes(cfg, micro_batch, mesh.tp, stage.num_layers, in_flight, rc) for rc in (False, True)}
+    if cpu:
+        acts[True] += int(CPU_HEAP_PER_RECOMPUTED_LAYER * in_flight * stage.num_layers * cfg.seq_length * micro_batch
+                          * cfg.hidden_size * elem)
+    last = stage.stage == mesh.pp - 1
+    # The loss (megatron/core/tensor_parallel/cross_entropy.py) holds the logits, their fp32 copy shifted by
+    # the max and its exp at once: 12 bytes per logit in fp32 (one copy is the logits), 14 in 16-bit.
+    per_logit = 12 if elem == 4 else 12 + elem
+    logits = cfg.seq_length * micro_batch * (cfg.padded_vocab_size // mesh.tp) * per_logit if last else 0
+    return NonState(gathered, reduce, acts[recompute], acts[False], acts[True], logits, overhead.device,
+                    overhead.host)
