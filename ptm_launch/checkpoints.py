@@ -3,14 +3,15 @@
 Megatron-style trainers (pretrain_gpt.py) write ``<save>/latest_checkpointed_iteration.txt`` last, when a
 checkpoint is complete, and resume from the iteration it names when started with ``--load``. The launcher only
 reads it (on the launching host, so the directory must be shared as the trainer needs anyway) to say where the
-restarted ranks resume; it never decides anything from it.
+restarted ranks resume; it never decides anything from it. The tracker's name is the trainer's
+(megatron/training/checkpoint/names.py, a module without imports of the trainer or torch).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-TRACKER = "latest_checkpointed_iteration.txt"
+from megatron.training.checkpoint.names import TRACKER
 
 
 def load_dir_of(args: tuple[str, ...] | list[str]) -> str | None:

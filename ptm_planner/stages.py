@@ -89,7 +89,7 @@ def build_stage(model_cfg: TransformerConfig, mesh: Mesh, stage: int) -> StageMo
     layers = [(f"decoder.layers.{j}.{n}", p if j == 0 else nn.Parameter(torch.empty(p.shape, device="meta")))
               for j in range(per_stage) for n, p in layer]
     named = built[:first] + layers + built[first + len(layer):]
-    # Param groups exactly as megatron/training/zero_backend.py ZeroBackend gives them to the engine:
+    # Param groups exactly as megatron/training/backends/zero.py ZeroBackend gives them to the engine:
     # group 0 = matrices (weight decay), group 1 = biases and norms; the tied embedding copy of a
     # pipelined model gets a chunk of its own (tied_param_groups).
     group_of = {id(p): 0 if p.ndim >= 2 else 1 for _, p in named}

@@ -1,92 +1,254 @@
-"""Start-up: pack the model's parameters into chunks and allocate every shard in the store.
+"""The engine's parts, built once from one validated config, in dependency order; the engine only runs them.
 
-Placement rules (one authoritative home per state):
-- Partitioned chunk (stage 3): the parameter shard lives on the host with ``offload_param: cpu``, in an
-  SSD page file with ``nvme``, else on the device; the full buffer exists only while gathered.
-- Resident chunk: the full buffer lives on the device; the parameter shard is a view of it.
-- Optimizer tier of a sub-group: host (``offload_optimizer: cpu``) or SSD (``nvme``) except the first
-  ``prefetch_cache_sub_group_rate`` share of sub-groups, which stay on the device; else the device.
-  fp32 master, gradient shard and Adam moments live there; on the SSD tier the gradient shard stays on
-  the host (it is accumulated during backward) and master and moments are page files.
-- In fp32 the parameter shard *is* the master (no copy): a partitioned chunk keeps it in the optimizer
-  tier (host memory when that tier is SSD), a resident chunk uses its view when the optimizer tier is the
-  device or SSD with a CPU compute device. Otherwise a separate fp32 master exists (bf16/fp16, or
-  resident chunks whose optimizer is offloaded).
-The rules are code in ``placement.chunk_layout`` (placement under budgets uses the same function).
-Values are broadcast from DP rank 0 so every replica starts identical. A parameter without storage
-(lazy_init.py) gets its values from ``param_init`` here, one chunk at a time.
+    plan (chunks per shard group, sub-groups) ─▶ placement (tiers under the budgets) ─▶ copy streams
+      ─▶ collectives per shard group ─▶ store ─▶ chunks ─▶ host lane ─▶ coordinator ─▶ optimizer
+      ─▶ update strategy ─▶ gradient reducer
+
+Every part gets its collaborators in its constructor; the chunk lifecycle's dispatcher (lifecycle.py) is made
+first and its listeners are subscribed here, before any hook can fire. Nothing is changed after construction.
+
+Shard groups: every trainable parameter belongs to one entry of ``param_groups``; an entry may name the process
+group its chunks are sharded over (``dp_group``, default: the engine's) and the factor that turns the reduced
+gradient sum into the gradient (``gradient_scaling_factor``, default 1/size of that group: the mean). A mixture
+of experts shards the dense parameters over the data-parallel group and the experts over the expert-data-
+parallel group, whose gradients are scaled by 1/(data-parallel size) (Megatron-core's rule: each expert saw the
+tokens of the whole data-parallel group). Every shard group lies inside the engine's ``dp_group``, over which the
+global gradient norm is summed; a parameter must be held by exactly one rank of it after sharding, or be left
+out of the norm by ``param_in_grad_norm``.
 """
 from __future__ import annotations
 
-from typing import Callable
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
-from .comm import Comm
-from .config import ZeroCacheConfig
-from .lazy_init import has_no_storage
-from .partition import ChunkPlan, FlatChunk
-from .placement import chunk_layout
-from .store import DEVICE, NVME, ShardStore
+from .chunk import FlatChunk
+from .chunk_init import ParamInit, build_chunk
+from .comm import Comm, CommProfiler
+from .config import ZeroCacheConfig, ZeroConfigError
+from .coordinator import ParamCoordinator
+from .grad_norm import NormRanges
+from .grad_reducer import GradReducer
+from .host_lane import HostLane
+from .host_memory import set_malloc_for_start_up, set_malloc_for_training
+from .lifecycle import ChunkEvents
+from .loss_scaler import LossScaler
+from .optimizer import GroupHParams, ShardedAdam
+from .param_refresh import ParamRefresh
+from .partition import ChunkPlan, plan_chunks, plan_sub_groups
+from .pinned_memory import HostArena
+from .placement import copy_staging_units, machine_budgets, place_states
+from .shard_states import ShardStates, StepCount
+from .speculation import Speculation
+from .ssd_store import SSDStore
+from .store import HOST, NVME, DeviceHostStore, ShardStore
+from .streams import Streams, make_streams
+from .update import UpdateStrategy, choose_update
 
-ParamInit = Callable[[str, torch.nn.Parameter], torch.Tensor]
+logger = logging.getLogger(__name__)
 
 
-def build_chunk(plan: ChunkPlan, opt_tier: str, store: ShardStore, comm: Comm, cfg: ZeroCacheConfig,
-                dtype: torch.dtype, device: torch.device, param_init: ParamInit | None = None,
-                grad_on_ssd: bool = False) -> FlatChunk:
-    i = plan.index
-    # The chunk's initial values, fp32, broadcast so that every DP replica starts identical.
-    init = torch.zeros(plan.padded, dtype=torch.float32, device=device)
-    for s in plan.slots:
-        if has_no_storage(s.param):  # built lazily (lazy_init.py): its values exist only now
-            if param_init is None:
-                raise ValueError(f"zero_cache.initialize: parameter '{s.name}' has no storage; pass param_init="
-                                 f"fn(name, param) returning its initial values")
-            value = param_init(s.name, s.param)
+@dataclass(frozen=True)
+class EngineParts:
+    """Everything an engine runs, built by ``build_engine_parts``."""
+    module: nn.Module
+    config: ZeroCacheConfig
+    dtype: torch.dtype  # compute dtype
+    device: torch.device
+    comm: Comm  # the engine's data-parallel group: the norm, the overflow flag, exports
+    model_parallel_group: object
+    profiler: CommProfiler
+    plans: list[ChunkPlan]
+    sub_groups: list[list[int]]
+    budgets: dict[str, int]
+    streams: Streams
+    store: ShardStore
+    chunks: list[FlatChunk]
+    lane: HostLane | None
+    events: ChunkEvents
+    coordinator: ParamCoordinator | None  # None when every chunk is resident
+    optimizer: ShardedAdam
+    refresh: ParamRefresh
+    update: UpdateStrategy
+    reducer: GradReducer
+    scaler: LossScaler
+    steps: StepCount
+    states: ShardStates  # what the checkpoint code reads and writes
+
+
+@dataclass(frozen=True)
+class _Groups:
+    """The optimizer's parameter groups and the shard group each one is split over."""
+    hparams: list[GroupHParams]
+    group_of: dict[int, int]  # id(param) -> group index
+    process_groups: list[object]  # per group: its shard group (None: the engine's dp_group)
+    factors: list[float | None]  # per group: gradient_scaling_factor (None: 1/size of its shard group)
+
+
+def build_engine_parts(model: nn.Module, cfg: ZeroCacheConfig, *, dp_group=None, model_parallel_group=None,
+                       param_in_grad_norm: Callable[[nn.Parameter], bool] | None = None,
+                       tied_param_groups: Iterable[tuple[nn.Parameter, object]] | None = None,
+                       param_groups: list[dict] | None = None, store: ShardStore | None = None,
+                       param_init: ParamInit | None = None) -> EngineParts:
+    set_malloc_for_start_up()  # chunk-sized temporaries go back to the OS, not into heap holes
+    z = cfg.zero_optimization
+    dtype = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else torch.float32
+    managed = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not managed:
+        raise ValueError("zero_cache.initialize: the model has no parameters that require grad")
+    device = managed[0][1].device
+    if device.type == "meta":
+        raise ValueError("zero_cache.initialize: the model is on the meta device; call "
+                         "zero_cache.storage_less_parameters(model, device) first and pass param_init")
+    groups = _param_groups(managed, param_groups, cfg.optimizer.params.weight_decay, dp_group)
+    dp_size = _group_size(dp_group)
+    tied = list(tied_param_groups or [])
+    plans = plan_chunks(managed, groups.group_of, stage=z.stage, page_numel=z.allgather_bucket_size,
+                        dp_size=dp_size, persistence_threshold=z.stage3_param_persistence_threshold,
+                        isolated={id(p) for p, _ in tied},
+                        group_dp_sizes=[_group_size(g if g is not None else dp_group) for g in groups.process_groups])
+    sub_groups = plan_sub_groups(plans, z.sub_group_size)
+    budgets = machine_budgets(cfg, device)
+    placed = place_states(plans, sub_groups, cfg, dtype, device, budgets)
+    tiers = placed.opt_tiers
+
+    # Host <-> device copies go through copy streams (CUDA, or the emulated accelerator on CPU).
+    streams = make_streams(cfg, device, _global_rank())
+    streams.configure_staging(*copy_staging_units(plans, placed.layouts, cfg, device))
+    profiler = CommProfiler(z.is_communication_time_profiling)
+    comms: dict[int, Comm] = {}
+
+    def comm_of(group) -> Comm:
+        if id(group) not in comms:
+            comms[id(group)] = Comm(group, profiler, p2p_on_gloo=z.gloo_p2p_collectives, streams=streams)
+        return comms[id(group)]
+
+    comm = comm_of(dp_group)
+    group_comms = [comm_of(g) if g is not None else comm for g in groups.process_groups]
+
+    pin = z.offload_param.pin_memory or z.offload_optimizer.pin_memory
+    host_bytes = HostArena.reserve_for([s.nbytes for layout in placed.layouts for s in layout if s.tier == HOST])
+    params_on_ssd = z.offload_param.device == "nvme" and z.stage == 3
+    if store is None and (NVME in tiers or params_on_ssd):
+        path = z.offload_optimizer.nvme_path if NVME in tiers else z.offload_param.nvme_path
+        store = SSDStore(device, path, cfg.aio, rank=_global_rank(), pin_host=pin, budgets=budgets,
+                         staging_bytes=placed.opt_staging, param_staging_bytes=placed.param_staging,
+                         pinning=streams.pinning, copy_staging=placed.copy_staging, host_bytes=host_bytes)
+    if store is None:
+        store = DeviceHostStore(device, pin_host=pin, budgets=budgets, pinning=streams.pinning,
+                                copy_staging=placed.copy_staging, host_bytes=host_bytes)
+    with torch.no_grad():
+        chunks = []
+        for p in plans:
+            c = group_comms[p.group]
+            factor = groups.factors[p.group]
+            chunks.append(build_chunk(p, tiers[p.index], store, c, 1.0 / c.size if factor is None else factor, cfg,
+                                      dtype, device, param_init, p.index in placed.grad_on_ssd))
+    chunk_of = {id(s.param): c.index for c in chunks for s in c.plan.slots}
+
+    # The host's share of the work (gradients landing, host sub-groups) runs beside the device's.
+    lane = HostLane(streams.meter) if placed.copy_staging else None
+    events = ChunkEvents()
+    coordinator = None
+    if any(not c.plan.resident for c in chunks):
+        coordinator = ParamCoordinator(model, chunks, events, z, store, streams,
+                                       micro_batches=cfg.gradient_accumulation_steps,
+                                       keep_param_bytes=placed.param_keep)
+        events.subscribe(coordinator)
+    hp = cfg.optimizer.params
+    optimizer = ShardedAdam(chunks, sub_groups, groups.hparams, lr=hp.lr, betas=hp.betas, eps=hp.eps,
+                            decoupled=cfg.optimizer.decoupled, pipeline=z.pipeline_optimizer, store=store,
+                            streams=streams, lane=lane)
+    refresh = ParamRefresh(chunks, optimizer, coordinator)
+    speculation = None
+    if z.speculative_update and lane is not None:
+        tied_chunks = {chunk_of[id(p)] for p, _ in tied}
+        eligible = [all(chunks[i].opt_tier == HOST and not chunks[i].swapped and i not in tied_chunks for i in sg)
+                    for sg in sub_groups]
+        speculation = Speculation(optimizer, chunks, sub_groups, eligible, store, lane)
+    elif z.speculative_update:
+        logger.warning("zero_cache: speculative_update acts only with an accelerator (or the emulated one) and "
+                       "optimizer states in host memory; it has no effect here")
+    update = choose_update(z, optimizer, refresh, chunks, store, speculation)
+    events.subscribe(update)
+    reducer = GradReducer(chunks, events, store, mode="full" if z.stage == 1 else "shard",
+                          max_events=z.max_param_reduce_events, tied_groups={chunk_of[id(p)]: g for p, g in tied},
+                          norm_ranges=_norm_ranges(chunks, param_in_grad_norm), streams=streams, lane=lane)
+    scaler, steps = LossScaler(cfg.fp16), StepCount()
+    states = ShardStates(model, cfg, chunks, store, comm, model_parallel_group, dtype, optimizer, scaler, update,
+                         refresh, steps)
+    if z.reuse_freed_host_memory:
+        set_malloc_for_training()  # each micro-batch's tensors reuse the last one's memory
+    return EngineParts(module=model, config=cfg, dtype=dtype, device=device, comm=comm,
+                       model_parallel_group=model_parallel_group, profiler=profiler, plans=plans,
+                       sub_groups=sub_groups, budgets=budgets, streams=streams, store=store, chunks=chunks, lane=lane,
+                       events=events, coordinator=coordinator, optimizer=optimizer, refresh=refresh, update=update,
+                       reducer=reducer, scaler=scaler, steps=steps, states=states)
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def _group_ranks(group) -> set[int]:
+    if group is None:
+        return set(range(dist.get_world_size()))
+    return set(dist.get_process_group_ranks(group))
+
+
+_GROUP_KEYS = {"params", "weight_decay", "dp_group", "gradient_scaling_factor"}
+
+
+def _param_groups(managed, param_groups, default_wd, dp_group) -> _Groups:
+    if param_groups is None:
+        return _Groups([GroupHParams(default_wd)], {id(p): 0 for _, p in managed}, [None], [None])
+    hparams, group_of, process_groups, factors = [], {}, [], []
+    for g, spec in enumerate(param_groups):
+        unknown = set(spec) - _GROUP_KEYS
+        if unknown or "params" not in spec:
+            raise ValueError(f"zero_cache.initialize: param_groups[{g}] must be {{'params': [...], "
+                             f"'weight_decay': float, 'dp_group': process group, 'gradient_scaling_factor': float}} "
+                             f"(all but 'params' optional), got keys {sorted(spec)}")
+        hparams.append(GroupHParams(float(spec.get("weight_decay", default_wd))))
+        group = spec.get("dp_group")
+        if group is not None:
+            if not dist.is_initialized():
+                raise ZeroConfigError(f"zero_cache.initialize: param_groups[{g}] names a dp_group but "
+                                      f"torch.distributed is not initialised")
+            outside = _group_ranks(group) - _group_ranks(dp_group)
+            if outside:
+                raise ZeroConfigError(f"zero_cache.initialize: param_groups[{g}]'s dp_group holds ranks "
+                                      f"{sorted(outside)} outside the engine's dp_group; every shard group must "
+                                      f"lie inside it (the gradient norm is summed over it)")
+        process_groups.append(group)
+        factor = spec.get("gradient_scaling_factor")
+        factors.append(None if factor is None else float(factor))
+        for p in spec["params"]:
+            if id(p) in group_of:
+                raise ValueError(f"zero_cache.initialize: a parameter appears in param_groups {group_of[id(p)]} "
+                                 f"and {g}; list each parameter once")
+            group_of[id(p)] = g
+    missing = [n for n, p in managed if id(p) not in group_of]
+    if missing:
+        raise ValueError(f"zero_cache.initialize: parameters {missing[:5]} are in no param group; "
+                         f"every trainable parameter must be listed")
+    return _Groups(hparams, group_of, process_groups, factors)
+
+
+def _norm_ranges(chunks: list[FlatChunk], counts: Callable[[nn.Parameter], bool] | None) -> list[NormRanges]:
+    """Per chunk: None (the whole shard counts in the grad norm) or the shard ranges that count."""
+    out = []
+    for c in chunks:
+        if counts is None or all(counts(s.param) for s in c.plan.slots):
+            out.append(None)
         else:
-            value = s.param.detach()
-        init[s.offset:s.offset + s.numel].copy_(value.reshape(-1))
-        del value
-    comm.broadcast_from_first(init)
-
-    layout = {spec.name: spec for spec in chunk_layout(plan, opt_tier, cfg, dtype, device, grad_on_ssd)}
-
-    def alloc(name: str):
-        spec = layout[name]
-        t = store.allocate(f"c{i}.{name}", spec.kind, spec.tier, spec.numel, spec.dtype)
-        if spec.tier == NVME:
-            chunk.swapped.append(name)
-        return t
-
-    if plan.resident:
-        full = store.allocate(f"c{i}.full", "params", DEVICE, plan.padded, dtype)
-    else:
-        full = torch.empty(plan.padded, dtype=dtype, device=device)
-    full.copy_(init)
-    chunk = FlatChunk(plan, comm.rank, full)
-    chunk.bind_params()
-    chunk.opt_tier = opt_tier
-    mine = init[chunk.lo:chunk.hi]
-
-    if plan.resident:
-        chunk.param_shard = chunk.shard_of_full()
-    else:
-        chunk.param_shard = alloc("param")
-        store.put(f"c{i}.param", mine)
-        chunk.free_full()
-    if "master" in layout:
-        chunk.master = alloc("master")
-        store.put(f"c{i}.master", mine)
-    else:
-        chunk.master = chunk.param_shard
-        chunk.master_in_param = True
-    chunk.grad = alloc("grad")
-    if "pending" in layout:
-        chunk.grad_spare = alloc("grad_spare")
-        chunk.pending = alloc("pending")
-    chunk.exp_avg = alloc("exp_avg")
-    chunk.exp_avg_sq = alloc("exp_avg_sq")
-    step_device = torch.device("cpu") if opt_tier == NVME else chunk.master.device
-    chunk.step = torch.zeros((), dtype=torch.float32, device=step_device)
-    return chunk
+            out.append([(g.shard_lo, g.shard_hi) for g in c.segments if counts(g.slot.param)])
+    return out

@@ -47,33 +47,22 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import Callable, Protocol
 
 import torch
 from torch import nn
 
 from . import storage_pointer
 from .aio import round_up
-from .comm import Comm, Handle
+from .chunk import FlatChunk
+from .comm import Handle
 from .config import ZeroConfigError, ZeroOptimizationConfig
+from .lifecycle import ChunkEvents, ChunkListener
 from .param_arena import ParamArena
-from .partition import FlatChunk
+from .states import State
 from .store import DEVICE, ShardStore
 from .streams import HostStreams, Streams
 
 logger = logging.getLogger(__name__)
-
-
-class UpdateGate(Protocol):
-    """An optimizer step still running under the forward (optimizer.py, overlapped step)."""
-
-    def updated(self, chunk: int) -> bool:
-        """Whether chunk ``chunk``'s update is done, so that ``wait_updated`` would not block (True when no step
-        runs)."""
-
-    def wait_updated(self, chunk: int) -> None:
-        """Block until it is, then order the compute stream after the update's copy of the shard to the device
-        (if any). Called before every read of the shard."""
 
 
 def in_backward() -> bool:
@@ -91,34 +80,34 @@ def _tensors(obj):
             yield from _tensors(o)
 
 
-class ParamCoordinator:
-    def __init__(self, chunks: list[FlatChunk], comm: Comm, zcfg: ZeroOptimizationConfig,
-                 on_backward_activity: Callable[[], None], store: ShardStore | None = None,
-                 streams: Streams | None = None, micro_batches: int = 1, keep_param_bytes: int = 0):
+class ParamCoordinator(ChunkListener):
+    """Gathers and releases the partitioned chunks of ``model`` (hooks registered here) and emits their
+    lifecycle events (``backward_touched``, ``may_gather``/``before_gather``) on ``events``; it hears
+    ``grad_ready`` (a chunk whose gradients all exist is released)."""
+
+    def __init__(self, model: nn.Module, chunks: list[FlatChunk], events: ChunkEvents, zcfg: ZeroOptimizationConfig,
+                 store: ShardStore, streams: Streams | None = None, micro_batches: int = 1, keep_param_bytes: int = 0):
         self.chunks = chunks
+        self.events = events
         self.micro_batches = micro_batches
         self.store = store
         self.streams = streams or HostStreams()
         # Partitioned chunks whose shard is in host memory (or SSD): gathers copy it to the device first.
         self.host_param = [self.streams.separate and not c.plan.resident
-                           and ("param" in c.swapped or store.tier_of(c.state_key("param")) != DEVICE)
+                           and (c.on_ssd(State.PARAM) or store.tier_of(c.key(State.PARAM)) != DEVICE)
                            for c in chunks]
         self._releases: list = []  # (event, staging buffer): SSD buffers a copy still reads
         self._copies: dict[int, object] = {}  # chunk -> done event of the copy into its full buffer
-        self.on_issue: Callable[[int], None] | None = None  # told before a chunk's shard is read
-        self.update_gate: UpdateGate | None = None  # no shard is read before its update (overlapped step)
         self.ssd_reads: dict[int, object] = {}  # chunk -> SwapHandle of its parameter shard being read
         self.staged: dict[int, torch.Tensor] = {}  # chunk -> shard buffer an in-flight gather reads
         self._serves: dict[int, int] = {}  # chunk -> trace position its gather in flight serves
         self.kept: dict[int, tuple[torch.Tensor, object, int]] = {}  # chunk -> (SSD shard buffer, copy's
         # source_free, its staging bytes)
         self.keep_limit, self.kept_bytes = keep_param_bytes, 0
-        self.params_on_ssd = any("param" in c.swapped for c in chunks)
-        self.comm = comm
+        self.params_on_ssd = any(c.on_ssd(State.PARAM) for c in chunks)
         self.prefetch_numel = zcfg.stage3_prefetch_bucket_size
         self.max_live = zcfg.stage3_max_live_parameters
         self.max_reuse = zcfg.stage3_max_reuse_distance
-        self.on_backward_activity = on_backward_activity
         self.chunk_of = {id(s.param): c.index for c in chunks if not c.plan.resident for s in c.plan.slots}
         self.module_chunks: dict[nn.Module, list[int]] = {}
         self.users = [0] * len(chunks)  # modules whose forward is running, per chunk
@@ -145,9 +134,10 @@ class ParamCoordinator:
         self.pinned: set[int] = set()  # chunks a running backward still reads (until all their gradients exist)
         self._requests = 0
         self._last_use = [0] * len(chunks)  # request count at each chunk's last request (LRU order)
+        self._register_model(model)
 
     # ---- registration -------------------------------------------------------------------------------
-    def register_model(self, model: nn.Module) -> None:
+    def _register_model(self, model: nn.Module) -> None:
         for m in model.modules():
             ids = sorted({self.chunk_of[id(p)] for p in m.parameters(recurse=False) if id(p) in self.chunk_of})
             if ids:
@@ -195,7 +185,7 @@ class ParamCoordinator:
         return output
 
     def _pre_backward(self, module):
-        self.on_backward_activity()
+        self.events.backward_touched()
         ids = self.module_chunks[module]
         self.pinned.update(ids)
         self.fetch(ids)
@@ -219,13 +209,12 @@ class ParamCoordinator:
         """Start reading chunk ``c``'s parameter shard from SSD. Read-ahead is skipped (False) when the
         staging reserve is full; a read the gather needs now first waits for the gathers in flight, whose
         staging buffers are then released."""
-        if "param" not in self.chunks[c].swapped or c in self.ssd_reads or c in self.kept:
+        if not self.chunks[c].on_ssd(State.PARAM) or c in self.ssd_reads or c in self.kept:
             return True
-        if self.update_gate is not None:
-            if optional and not self.update_gate.updated(c):
-                return False
-            self.update_gate.wait_updated(c)
-        key = self.chunks[c].state_key("param")
+        if optional and not self.events.may_gather(c):
+            return False
+        self.events.before_gather(c)
+        key = self.chunks[c].key(State.PARAM)
         handle = self.store.swap_in([key], for_gather=True, optional=True)
         if handle is None and not optional:
             for other in list(self.inflight):
@@ -240,21 +229,18 @@ class ParamCoordinator:
         """Start gathering chunk ``c``: a demand fetch, or a prefetch of trace position ``at``, which gives up
         (False) when the arena has no room for it or the chunk's update is still running."""
         chunk = self.chunks[c]
-        if self.update_gate is not None:
-            # A prefetch does not wait for the update still running: it leaves the chunk to its demand fetch. The
-            # gathers keep the trace's order either way, and the update runs only in the forward after the step,
-            # before any other collective of the group, so every rank issues the same sequence.
-            if at is not None and not self.update_gate.updated(c):
-                return False
-            self.update_gate.wait_updated(c)
+        # A prefetch does not wait for an update still running (the overlapped step): it leaves the chunk to its
+        # demand fetch. The gathers keep the trace's order either way, and the update runs only in the forward
+        # after the step, before any other collective of the group, so every rank issues the same sequence.
+        if at is not None and not self.events.may_gather(c):
+            return False
         if self.arena is None:
             chunk.allocate_full()
         elif not self._make_room(c, at):
             return False
-        if self.on_issue is not None:
-            self.on_issue(c)
+        self.events.before_gather(c)
         src = chunk.param_shard
-        if "param" in chunk.swapped:
+        if chunk.on_ssd(State.PARAM):
             self._serves[c] = self.pos - 1 if at is None else at  # the trace position this gather serves
             if c in self.kept:
                 src = self._unkeep(c)[0]
@@ -270,7 +256,7 @@ class ParamCoordinator:
                 buf = self.staged.pop(c)
                 if not self._keep(c, buf, copy.source_free):
                     self._release_after(buf, copy.source_free)
-            self.inflight[c] = self.comm.all_gather(chunk.full, piece, tag=f"chunk{c}", async_op=True,
+            self.inflight[c] = chunk.comm.all_gather(chunk.full, piece, tag=f"chunk{c}", async_op=True,
                                                     after=copy.done)
         else:
             if src.device != chunk.full.device:
@@ -278,7 +264,7 @@ class ParamCoordinator:
             # Issued through the streams as the copied chunks are (one order on every rank), after the compute
             # stream: the shard was written, and the buffer may have been used, by kernels queued before.
             after = self.streams.compute_event() if self.streams.separate else None
-            self.inflight[c] = self.comm.all_gather(chunk.full, src, tag=f"chunk{c}", async_op=True, after=after)
+            self.inflight[c] = chunk.comm.all_gather(chunk.full, src, tag=f"chunk{c}", async_op=True, after=after)
         self.live_numel += chunk.plan.padded
         self.gathered_bytes += chunk.full_nbytes()
         self.gathered_peak = max(self.gathered_peak, self.gathered_bytes)
@@ -376,7 +362,7 @@ class ParamCoordinator:
         self.kept_bytes -= nbytes
         return buf, source_free
 
-    def chunk_done(self, c: int) -> None:
+    def grad_ready(self, c: int) -> None:
         """All of chunk ``c``'s gradients of this backward pass exist: no module using it is running (this is
         called from a gradient hook), so a user count left by a recomputation that activation checkpointing
         stopped early (torch's default: the post-forward hook never runs) is cleared, and ``c`` released."""

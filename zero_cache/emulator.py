@@ -36,7 +36,7 @@ from typing import Callable, Iterable
 import torch
 
 from .config import EmulatedAcceleratorConfig
-from .streams import D2H, DONE, H2D, Event, Streams
+from .stream_interface import D2H, DONE, H2D, Event, Streams
 
 _INT_POISON = 0x5A
 

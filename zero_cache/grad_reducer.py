@@ -48,19 +48,21 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from typing import Callable
 
 import torch
 from torch import nn
 
-from .comm import Comm, group_all_reduce
+from .chunk import FlatChunk
+from .comm import group_all_reduce
 from .grad_norm import NormRanges, fused_norm_stats, sum_of_squares
 from .host_lane import HostLane
 from .host_memory import empty_mapped
-from .partition import FlatChunk, ParamSlot
+from .lifecycle import ChunkEvents
+from .partition import ParamSlot
+from .states import State
 from .store import DEVICE, ShardStore
 from .streams import HostStreams, Streams
-from .weight_grad import GradWriter, WeightGradSink
+from .weight_grad import GradWriter, WeightGradSink, set_weight_grad_sink
 
 
 def norm_stats(grad: torch.Tensor, ranges: NormRanges) -> torch.Tensor:
@@ -79,28 +81,26 @@ def norm_stats(grad: torch.Tensor, ranges: NormRanges) -> torch.Tensor:
 
 
 class GradReducer:
-    def __init__(self, chunks: list[FlatChunk], comm: Comm, store: ShardStore, *, mode: str, max_events: int,
-                 tied_groups: dict[int, object], on_backward_activity: Callable[[], None],
-                 on_chunk_done: Callable[[int], None] | None, norm_ranges: list[NormRanges],
-                 streams: Streams | None = None, lane: HostLane | None = None,
-                 on_final: Callable[[int], None] | None = None, on_change: Callable[[int], None] | None = None,
-                 on_final_sent: Callable[[int], None] | None = None):
+    """Reduces each chunk's gradients over its shard group into the gradient shards (hooks registered here) and
+    emits the gradient half of the chunk lifecycle on ``events`` (lifecycle.py)."""
+
+    def __init__(self, chunks: list[FlatChunk], events: ChunkEvents, store: ShardStore, *, mode: str,
+                 max_events: int, tied_groups: dict[int, object], norm_ranges: list[NormRanges],
+                 streams: Streams | None = None, lane: HostLane | None = None):
         if mode not in ("shard", "full"):
             raise ValueError(f"gradient accumulation mode must be 'shard' or 'full', got {mode!r}")
         self.chunks = chunks
-        self.comm = comm
+        self.events = events
         self.store = store
         self.mode = mode
         self.max_events = max_events
         self.tied_groups = tied_groups  # chunk index -> process group whose members sum this chunk's grads
-        self.on_backward_activity = on_backward_activity
-        self.on_chunk_done = on_chunk_done
         self.expected = [len(c.plan.slots) for c in chunks]
         self.fired = [0] * len(chunks)
         self.buffers: dict[int, torch.Tensor] = {}
         self.written: dict[int, set[int]] = {}  # shard mode: slots of a fresh buffer that hold a gradient
         self.norm_ranges = norm_ranges
-        self.on_ssd = ["grad" in c.swapped for c in chunks]
+        self.on_ssd = [c.on_ssd(State.GRAD) for c in chunks]
         self.fresh = [True] * len(chunks)  # shard not written this step (holds the last step's values)
         self.ssd_stats: dict[int, torch.Tensor] = {}  # SSD shard -> norm_stats of its accumulated value
         self.ssd_writes: deque = deque()
@@ -108,7 +108,7 @@ class GradReducer:
         self.streams = streams or HostStreams()
         self.lane = lane
         # Gradient shards outside device memory: reduce-scatter results travel to them on the D2H stream.
-        self.to_host = [self.streams.separate and (self.on_ssd[i] or store.tier_of(c.state_key("grad")) != DEVICE)
+        self.to_host = [self.streams.separate and (self.on_ssd[i] or store.tier_of(c.key(State.GRAD)) != DEVICE)
                         for i, c in enumerate(chunks)]
         if any(self.to_host) and lane is None:
             raise ValueError("gradient shards in host memory behind an accelerator need a host lane")
@@ -118,9 +118,6 @@ class GradReducer:
                       for i, c in enumerate(chunks)]
         self.final_pass = False  # the engine expects the running backward pass to be the step's last
         self.stats: list[torch.Tensor | None] = [None] * len(chunks)  # norm_stats of final shards
-        self.on_final = on_final  # chunk c's gradient shard is final (called where it was accumulated)
-        self.on_change = on_change  # chunk c's shard is about to change again (host lane, before the change)
-        self.on_final_sent = on_final_sent  # chunk c's final result was sent to the host lane (training thread)
         # Chunk gradient buffers whose reduction finished, reused by the next chunks, in this pass and the next
         # steps' (the memory planner counts reduce buffers of the largest chunk's size), at most the buffers a
         # pass uses at once: the reductions in flight and the chunk accumulating.
@@ -143,6 +140,18 @@ class GradReducer:
             for s in c.plan.slots:
                 self._hooks.append(s.param.register_post_accumulate_grad_hook(
                     lambda p, c=c.index, s=s: self._on_grad(c, s, p)))
+                # Layers that compute their own weight gradient write it into the reduction buffers.
+                set_weight_grad_sink(s.param, self.weight_grad_sink(c.index, s))
+
+    def start_pass(self, final: bool) -> None:
+        """A backward pass begins; ``final``: the engine expects it to be the step's last."""
+        self.final_pass = final
+
+    def close(self) -> None:
+        """Detach the weight-gradient sinks (the parameters may outlive the engine)."""
+        for c in self.chunks:
+            for s in c.plan.slots:
+                set_weight_grad_sink(s.param, None)
 
     def _buffer(self, c: int) -> torch.Tensor:
         buf = self.buffers.get(c)
@@ -190,13 +199,13 @@ class GradReducer:
 
     def _on_writer(self, c: int, slot: ParamSlot, write: GradWriter) -> None:
         """Write the layer's gradient into the slot's region; the parameter's hook comes after every writer."""
-        self.on_backward_activity()
+        self.events.backward_touched()
         region, first = self._region(c, slot)
         write(region.view(slot.shape), first)
 
     def _on_grad(self, c: int, slot: ParamSlot, param: nn.Parameter) -> None:
         """Autograd's hook, once per pass after all of the parameter's gradient (None when it all went to the sink)."""
-        self.on_backward_activity()
+        self.events.backward_touched()
         grad = param.grad
         if grad is not None:
             param.grad = None
@@ -209,8 +218,7 @@ class GradReducer:
         if self.fired[c] == self.expected[c]:
             if self.mode == "shard":
                 self._complete(c)
-            if self.on_chunk_done is not None:
-                self.on_chunk_done(c)
+            self.events.grad_ready(c)
 
     def _complete(self, c: int) -> None:
         """Chunk ``c`` has every gradient of this pass: hold its buffer for the next pass, or reduce it."""
@@ -236,8 +244,8 @@ class GradReducer:
         # The sum of N fp16 gradients can overflow where their mean does not: an fp16 buffer is divided by N
         # before the reduce-scatter (as DeepSpeed does). fp32 and bf16 share a range wide enough for the sum
         # and are divided after it, in fp32.
-        scale = 1.0 / self.comm.size
-        if buf.dtype == torch.float16 and self.comm.size > 1:
+        scale = chunk.grad_factor
+        if buf.dtype == torch.float16 and chunk.comm.size > 1:
             buf.mul_(scale)
             scale = 1.0
         # The step's first fp32 result on the device tier is reduced straight into the gradient shard.
@@ -247,7 +255,7 @@ class GradReducer:
             out, self.fresh[c] = chunk.grad, False
         else:
             out = self._result_buffer(c, buf.dtype, buf.device)
-        handle = self.comm.reduce_scatter(out, buf, tag=f"chunk{c}", async_op=True)
+        handle = chunk.comm.reduce_scatter(out, buf, tag=f"chunk{c}", async_op=True)
         self.pending.append((c, handle, out, buf, direct, scale))
         while len(self.pending) > self.max_events:
             self._finish()
@@ -279,14 +287,13 @@ class GradReducer:
             return
         if not self.on_ssd[c] and not self.fused[c]:
             self.stats[c] = norm_stats(self.chunks[c].grad, self.norm_ranges[c])
-        if self.on_final is not None:
-            self.on_final(c)
+        self.events.grad_final(c)
 
     def _send_to_host(self, c: int, out: torch.Tensor, scale: float, final: bool) -> None:
         """The reduce-scatter result leaves the device now (D2H stream); the host lane accumulates it."""
         staged, landed = self.streams.d2h_staged(out, after=(self.streams.compute_event(),))
-        if final and self.on_final_sent is not None:
-            self.on_final_sent(c)
+        if final:
+            self.events.grad_sent(c)
         self.lane.submit(self._land, c, staged, landed, out, scale, self._take_fresh(c), final)
 
     def _land(self, c: int, staged: torch.Tensor, landed, out: torch.Tensor, scale: float, first: bool,
@@ -295,8 +302,7 @@ class GradReducer:
         try:
             self.streams.synchronize(landed)
             del out  # the copy has read it: the device block may be reused
-            if self.on_change is not None:
-                self.on_change(c)
+            self.events.grad_changing(c)
             self._accumulate(c, staged, scale, first)
         finally:  # a failure raises at the next drain; the buffer must not stay lent, or the next copy waits
             self.streams.release(staged)
@@ -309,7 +315,7 @@ class GradReducer:
         if not self.on_ssd[c]:
             _scale_into(chunk.grad, value, scale, first)
             return
-        key = chunk.state_key("grad")
+        key = chunk.key(State.GRAD)
         (grad,) = self.store.staging([key]) if first else self.store.swap_in([key]).wait()
         _scale_into(grad, value, scale, first)
         self._write_ssd_grad(c, grad)
@@ -317,7 +323,7 @@ class GradReducer:
     def _write_ssd_grad(self, c: int, grad: torch.Tensor) -> None:
         self.fresh[c] = False
         self.ssd_stats[c] = norm_stats(grad, self.norm_ranges[c])
-        self.ssd_writes.append(self.store.swap_out([self.chunks[c].state_key("grad")], [grad]))
+        self.ssd_writes.append(self.store.swap_out([self.chunks[c].key(State.GRAD)], [grad]))
         while len(self.ssd_writes) > 1:  # one write in flight behind the next reduction
             self.ssd_writes.popleft().wait()
 
@@ -359,11 +365,12 @@ class GradReducer:
             for c in sorted(self.buffers):
                 buf = self.buffers[c]
                 out = self._result_buffer(c, torch.float32, buf.device)
-                self.comm.reduce_scatter(out, buf, tag=f"chunk{c}")
+                chunk = self.chunks[c]
+                chunk.comm.reduce_scatter(out, buf, tag=f"chunk{c}")
                 if self.to_host[c]:
-                    self._send_to_host(c, out, 1.0 / self.comm.size, False)
+                    self._send_to_host(c, out, chunk.grad_factor, False)
                 else:
-                    self._accumulate(c, out, 1.0 / self.comm.size, self._take_fresh(c))
+                    self._accumulate(c, out, chunk.grad_factor, self._take_fresh(c))
                     self._keep_result(out)
                 buf.zero_()
             self.drain()
@@ -373,7 +380,7 @@ class GradReducer:
                 continue
             self.stats[c] = None
             if self.on_ssd[c]:
-                (grad,) = self.store.staging([self.chunks[c].state_key("grad")])
+                (grad,) = self.store.staging([self.chunks[c].key(State.GRAD)])
                 self._write_ssd_grad(c, grad.zero_())
             else:
                 self.chunks[c].grad.zero_()
@@ -384,7 +391,7 @@ class GradReducer:
             if not self.on_ssd[c]:
                 group_all_reduce(self.chunks[c].grad, group, device=self.chunks[c].full.device)
                 continue
-            key = self.chunks[c].state_key("grad")
+            key = self.chunks[c].key(State.GRAD)
             (grad,) = self.store.swap_in([key]).wait()
             group_all_reduce(grad, group, device=self.chunks[c].full.device)
             self._write_ssd_grad(c, grad)

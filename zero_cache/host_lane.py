@@ -14,7 +14,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
-from .streams import CopyMeter
+from .stream_interface import CopyMeter
 
 
 class HostLane:

@@ -25,29 +25,23 @@ while the next forward runs, behind its reads (the store keeps each shard's read
 backward, to the step's end), the time the step was blocked on it, and their difference (the I/O hidden by
 compute).
 
-Overlapped step (``step(background=True)``, the engine's ``overlap_optimizer_step``): the host's part of the
-update runs on a thread of its own and ``step`` returns once it has started. Sub-groups are updated in chunk
-order, which is the order the next forward gathers them, so the forward runs behind the walk:
-``wait_updated(c)`` blocks until chunk ``c``'s update is done and its parameter shard handed on (its SSD
-write queued, which the gather's read waits for; its copy to the device queued, which the compute stream
-is then made to wait for), and ``updated(c)`` says whether that would block. With a host lane the
-device sub-groups are updated by the calling thread first (their kernels queue on the compute stream ahead
-of the forward) and the host and SSD ones in the background. The result is the same as the synchronous
-step's; only the time the step was blocked moves into the forward. ``finish`` waits for the walk, makes the
-compute stream wait for the copies nobody waited for yet, and raises the walk's error, if any.
-``can_overlap``: there is something to hide (SSD I/O, or host updates beside an accelerator's compute).
+The update strategies (update/) drive these walks: ``step`` (the waiting step, also with the sub-groups an
+accepted speculation already updated), ``step_delayed`` (the lock-free update: gradients from ``grad_spare``,
+parameters into ``pending``), and ``begin``/``walk``/``end`` for the overlapped step, whose walk reports its
+progress (``WalkProgress``) chunk by chunk. ``can_overlap``: there is something to hide (SSD I/O, or host
+updates beside an accelerator's compute).
 """
 from __future__ import annotations
 
-import threading
-import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from .chunk import FlatChunk
 from .host_lane import HostLane
-from .partition import FlatChunk
+from .states import State
 from .store import DEVICE, ShardStore
 from .streams import DONE, HostStreams, Streams
 
@@ -80,10 +74,20 @@ class SwapStats:
                 f"hidden {100 * self.overlap:.0f}%")
 
 
+class WalkProgress(Protocol):
+    """How a walk run in the background (the overlapped update) reports each sub-group it finishes."""
+
+    def landed(self, chunk: int, event) -> None:
+        """Chunk ``chunk``'s write-back copy to the device is queued; ``event`` marks its end."""
+
+    def updated(self, chunks: list[int]) -> None:
+        """These chunks' parameter shards are final (their SSD writes queued)."""
+
+
 class ShardedAdam:
     def __init__(self, chunks: list[FlatChunk], sub_groups: list[list[int]], groups: list[GroupHParams], *,
                  lr: float, betas: tuple[float, float], eps: float, decoupled: bool, pipeline: bool,
-                 store: ShardStore | None = None, streams: Streams | None = None, lane: HostLane | None = None):
+                 store: ShardStore, streams: Streams | None = None, lane: HostLane | None = None):
         self.chunks = chunks
         self.sub_groups = sub_groups
         self.groups = groups
@@ -96,7 +100,8 @@ class ShardedAdam:
         self.swapped = [any(self.chunks[i].opt_swapped() for i in sg) for sg in sub_groups]
         self.last_swap: SwapStats | None = None
         self._early: dict = {}  # sub-group -> its read, started before the step (see start_read_ahead)
-        self.grads_on_ssd = any("grad" in c.swapped for c in chunks)
+        self.grads_on_ssd = any(c.on_ssd(State.GRAD) for c in chunks)
+        self.has_ssd = any(c.swapped for c in chunks)  # the step reports its SSD traffic
         self.streams = streams or HostStreams()
         self.lane = lane  # with one, device and host sub-groups update concurrently
         self.on_device = [not self.swapped[k] and all(chunks[i].opt_tier == DEVICE for i in sg)
@@ -104,32 +109,24 @@ class ShardedAdam:
         # Chunks whose write-back is a host-to-device copy: the master is in host memory (or read from SSD),
         # the compute-dtype parameter shard on the device.
         self.crossing = {c.index: self.streams.separate and c.opt_tier != DEVICE and not c.master_is_param()
-                         and (c.plan.resident or store.tier_of(c.state_key("param")) == DEVICE) for c in chunks}
+                         and (c.plan.resident or store.tier_of(c.key(State.PARAM)) == DEVICE) for c in chunks}
         self._write_events: list = []
         self._reading: dict[int, object] = {}  # chunk -> source_free of a write-back copy reading its master
         self._after_compute: tuple = ()
         # Pipelined write-backs, for the whole run (both walks share it; its thread starts at the first one).
         self._write_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero_cache_wb") if pipeline else None
-        # Overlapped step: the walk's thread, the walk in flight, the chunks it has updated so far (guarded by
-        # _progress), and the seconds the caller has been blocked on it.
-        self._walker: ThreadPoolExecutor | None = None
-        self._running: Future | None = None
-        self._updated: set[int] = set()
-        self._landing: dict[int, object] = {}  # chunk -> its write-back copy's event, not yet waited for
-        self._progress = threading.Condition()
-        self._blocked = 0.0
-        self.last_blocked = 0.0  # seconds the last background step held up the caller
 
-    def _swap_keys(self, k: int) -> list[tuple[FlatChunk, str]]:
-        return [(self.chunks[i], name) for i in self.sub_groups[k] for name in self.chunks[i].opt_swapped()]
+    def _swap_keys(self, k: int) -> list[tuple[FlatChunk, State]]:
+        return [(self.chunks[i], state) for i in self.sub_groups[k] for state in self.chunks[i].opt_swapped()]
 
     def _swap_in(self, k: int, optional: bool = False):
         """Start reading sub-group ``k``: (pairs, handle), or None when ``optional`` and the pool is full.
 
         Parameter shards a gather holds unchanged are left out (the backward's gathers release them as
         clean copies before the step, which then takes them without I/O: ``_walk``)."""
-        pairs = [(c, n) for c, n in self._swap_keys(k) if n != "param" or not self.store.held_unchanged(c.state_key(n))]
-        handle = self.store.swap_in([c.state_key(n) for c, n in pairs], optional=optional)
+        pairs = [(c, n) for c, n in self._swap_keys(k)
+                 if n is not State.PARAM or not self.store.held_unchanged(c.key(n))]
+        handle = self.store.swap_in([c.key(n) for c, n in pairs], optional=optional)
         return None if handle is None else (pairs, handle)
 
     def start_read_ahead(self, during_backward: bool = False) -> None:
@@ -141,11 +138,11 @@ class ShardedAdam:
         todo = [k for k, s in enumerate(self.swapped) if s and k not in self._early]
         if not self.pipeline or not todo or (during_backward and self.grads_on_ssd):
             return
-        unbounded = self.store.pool.limit is None  # then the first sub-group only
+        unbounded = self.store.unbounded_staging()  # then the first sub-group only
         if unbounded and self._early:
             return
         if not self._early:
-            self.store.aio.busy_seconds_and_reset()
+            self.store.io_totals_and_reset()
         for k in todo:
             read = self._swap_in(k, optional=bool(self._early))  # the first is needed first: never skipped
             if read is None:  # the pool is full: the step reads the rest itself
@@ -167,127 +164,73 @@ class ShardedAdam:
         host_beside_device = self.streams.separate and not all(self.on_device)
         return self.pipeline and (any(self.swapped) or host_beside_device)
 
-    def step(self, grad_scale: float, delayed: bool = False, skip: frozenset[int] = frozenset(),
-             background: bool = False) -> None:
-        """One update of every shard; gradients are divided by ``grad_scale`` inside the kernel.
+    def device_sub_groups(self) -> list[int]:
+        """Sub-groups the calling thread updates with the device's kernel while the host lane walks the others
+        (none without a lane)."""
+        return [k for k in range(len(self.sub_groups)) if self.on_device[k]] if self.lane is not None else []
 
-        ``background``: the walk runs on the optimizer's own thread and this returns at once (see the module
-        docstring: ``wait_updated``, ``finish``); needs ``can_overlap()``, no ``skip`` and not ``delayed``.
+    def begin(self) -> dict:
+        """Start a step: its I/O is counted from here (or from the first read ahead of it), its write-backs wait
+        for the compute queued so far (the backward may still read resident chunks); returns the reads started
+        ahead of it, for ``walk``."""
+        if self.has_ssd and not self._early:
+            self.store.io_totals_and_reset()
+        self._after_compute = (self.streams.compute_event(),)
+        reads, self._early = self._early, {}
+        return reads
 
-        ``delayed`` (lock-free update, run on a background thread): read ``grad_spare`` (no zeroing: the next
-        step's first reductions overwrite it, see grad_reducer.py) and write the updated parameters to
-        ``pending`` instead of the parameter shards the next step reads. ``skip``: sub-groups already updated
-        (an accepted speculation); only their write-back is left.
+    def end(self, blocked: float) -> None:
+        """The step's walks are done: ``last_swap`` from its I/O totals and the seconds it was ``blocked``."""
+        io, r, w = self.store.io_totals_and_reset()
+        self.last_swap = SwapStats(io, blocked, r, w)
+
+    def step(self, grad_scale: float, skip: frozenset[int] = frozenset()) -> None:
+        """One update of every shard; gradients are divided by ``grad_scale`` inside the kernel. ``skip``:
+        sub-groups already updated (an accepted speculation); only their write-back is left.
 
         With a host lane, the device sub-groups are updated by the calling thread (the device's fused Adam)
         while the lane updates the host sub-groups and streams the SSD ones through the pipeline."""
-        aio = getattr(self.store, "aio", None) if any(c.swapped for c in self.chunks) else None
-        if aio is not None and not self._early:
-            aio.busy_seconds_and_reset()
-        self._after_compute = (self.streams.compute_event(),)  # backward kernels may still read resident chunks
+        reads = self.begin()
         todo = [k for k in range(len(self.sub_groups)) if k not in skip]
-        reads, self._early = self._early, {}
-        if background:
-            if not self.can_overlap() or skip or delayed or self._running is not None:
-                raise RuntimeError("ShardedAdam.step(background=True) needs can_overlap(), no skip, not delayed, "
-                                   "and the last background step finished")
-            if self._walker is None:
-                self._walker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero_cache_step")
-            device = [k for k in todo if self.on_device[k]] if self.lane is not None else []
-            self._walk(device, grad_scale, False, {})  # device kernels, queued ahead of the next forward's
-            self._updated, self._blocked = {i for k in device for i in self.sub_groups[k]}, 0.0
-            # Resident chunks first: the step all-gathers them before it returns (the others wait for the forward).
-            host = sorted((k for k in todo if k not in device),
-                          key=lambda k: not any(self.chunks[i].plan.resident for i in self.sub_groups[k]))
-            self._running = self._walker.submit(self._walk, host, grad_scale, False, reads, True)
-            self._running.add_done_callback(lambda _: self._notify())
-            return
-        device = [k for k in todo if self.on_device[k]] if self.lane is not None and not delayed else []
+        device = [k for k in self.device_sub_groups() if k not in skip]
         host = [k for k in todo if k not in device]
         if device and host:
-            lane = self.lane.submit(self._walk, host, grad_scale, delayed, reads)
+            lane = self.lane.submit(self.walk, host, grad_scale, reads)
             try:
-                self._walk(device, grad_scale, delayed, {})
+                self.walk(device, grad_scale, {})
             finally:
                 waited = lane.result()
         else:
-            waited = self._walk(todo, grad_scale, delayed, reads)
+            waited = self.walk(todo, grad_scale, reads)
         for k in sorted(skip):
             self._write_back([c for c in (self.chunks[i] for i in self.sub_groups[k]) if not c.master_is_param()])
-        if aio is not None:
-            io, r, w = aio.busy_seconds_and_reset()
-            self.last_swap = SwapStats(io, waited, r, w)
+        if self.has_ssd:
+            self.end(waited)
 
-    # ---- overlapped step -------------------------------------------------------------------------------
-    def _notify(self, chunks=()) -> None:
-        with self._progress:
-            self._updated.update(chunks)
-            self._progress.notify_all()
+    def step_delayed(self, grad_scale: float) -> None:
+        """The lock-free update's step (run on its own thread): reads ``grad_spare`` (not zeroed: the next step's
+        first reductions overwrite it, see grad_reducer.py) and leaves the updated parameters in ``pending``,
+        not in the parameter shards the next step reads."""
+        reads = self.begin()
+        waited = self.walk(list(range(len(self.sub_groups))), grad_scale, reads, grads=State.GRAD_SPARE,
+                           into=State.PENDING)
+        if self.has_ssd:
+            self.end(waited)
 
-    def updated(self, chunk: int) -> bool:
-        """True unless a background step is still to update ``chunk`` (or has failed before it)."""
-        run = self._running
-        return run is None or chunk in self._updated
-
-    def wait_updated(self, chunk: int) -> None:
-        """Block until the background step has updated ``chunk``, then order the compute stream after its copy
-        to the device, if any; raises the step's error if it failed. Called by the training thread."""
-        run = self._running
-        if run is None:
-            return
-        if chunk not in self._updated:
-            t0 = time.perf_counter()
-            with self._progress:
-                while chunk not in self._updated and not run.done():
-                    self._progress.wait()
-            self._blocked += time.perf_counter() - t0
-            if chunk not in self._updated:
-                self.finish()  # raises the walk's error
-                raise RuntimeError(f"the optimizer step ended without updating chunk {chunk}")
-        self._hand_copy(chunk)
-
-    def _hand_copy(self, chunk: int) -> None:
-        with self._progress:
-            landing = self._landing.pop(chunk, None)
-        if landing is not None:
-            self.streams.wait(landing)
-
-    def in_flight(self) -> bool:
-        """A background step is running, or has ended and nobody has called ``finish`` yet."""
-        return self._running is not None
-
-    def finish(self) -> None:
-        """Wait for the background step (no-op without one) and set ``last_swap``; raises the step's error."""
-        run = self._running
-        if run is None:
-            return
-        t0 = time.perf_counter()
-        try:
-            wait([run])
-        finally:
-            self._blocked += time.perf_counter() - t0
-            self._running = None
-            for chunk in list(self._landing):
-                self._hand_copy(chunk)
-        self.last_blocked = self._blocked
-        run.result()
-        if any(self.swapped):
-            io, r, w = self.store.aio.busy_seconds_and_reset()
-            self.last_swap = SwapStats(io, self._blocked, r, w)
-
-    def _walk(self, ks: list[int], grad_scale: float, delayed: bool, reads: dict, mark: bool = False) -> float:
+    def walk(self, ks: list[int], grad_scale: float, reads: dict, progress: WalkProgress | None = None,
+             grads: State = State.GRAD, into: State = State.PARAM) -> float:
         """Update sub-groups ``ks`` in order (SSD ones pipelined); returns the seconds blocked on SSD.
 
         SSD write-backs are left in flight: the store orders each page file's I/O and takes staging buffers
         back from writes as later reads need them, so the step's last writes drain under the next forward.
         With an unbounded staging pool the walk bounds them itself (one behind the update, or none).
-        ``mark``: a background step; each sub-group's chunks are announced (``wait_updated``) once its
-        parameter shards are final (a copy to the device: queued, its event kept per chunk), and host
-        write-backs run inline."""
+        ``progress``: a walk in the background; each sub-group's chunks are announced once their parameter
+        shards are final (a copy to the device: queued, its event handed over per chunk), and host write-backs
+        run inline. ``grads``: the gradient state read; ``into``: where the updated parameters go (PARAM:
+        written back; PENDING: copied there for a later publish)."""
         futures, writes = [], []
         waited = 0.0
-        pool = getattr(self.store, "pool", None)  # the SSD tier's staging pool
-        in_step_bound = pool is not None and pool.limit is None
+        in_step_bound = self.store.unbounded_staging()
         try:
             for idx, k in enumerate(ks):
                 sg = self.sub_groups[k]
@@ -297,54 +240,54 @@ class ShardedAdam:
                         if j is not None and self.swapped[j] and j not in reads:
                             reads[j] = self._swap_in(j)
                     pairs, handle = reads.pop(k)
-                    have = {c.state_key(n) for c, n in pairs}
-                    missing = [(c, n) for c, n in self._swap_keys(k) if c.state_key(n) not in have]
+                    have = {c.key(n) for c, n in pairs}
+                    missing = [(c, n) for c, n in self._swap_keys(k) if c.key(n) not in have]
                     parts = [(pairs, handle)]
                     if missing:  # left out of the read-ahead: a gather held them (now, most likely cached)
-                        keys = [c.state_key(n) for c, n in missing]
+                        keys = [c.key(n) for c, n in missing]
                         parts.append((missing, self.store.swap_in(keys, params=True)))
                     for got, h in parts:
-                        for (c, name), t in zip(got, h.wait()):
-                            _set(c, name, t)
+                        for (c, state), t in zip(got, h.wait()):
+                            c.attach(state, t)
                         waited += h.waited
                     pairs = pairs + missing
                 cs = [self.chunks[i] for i in sg]
-                self._update(cs, grad_scale, delayed)
+                self.update_chunks(cs, grad_scale, grads)
                 todo = [c for c in cs if not c.master_is_param()]
-                if delayed:
+                if into is State.PENDING:
                     for c in todo:
                         c.pending.copy_(c.master)
                     todo = []
-                on_ssd = [c for c in todo if "param" in c.swapped]  # bf16/fp16 parameter shards on SSD
+                on_ssd = [c for c in todo if c.on_ssd(State.PARAM)]  # bf16/fp16 parameter shards on SSD
                 if on_ssd:
-                    todo = [c for c in todo if "param" not in c.swapped]
+                    todo = [c for c in todo if not c.on_ssd(State.PARAM)]
                     for c in on_ssd:
-                        self.store.put(c.state_key("param"), c.master)
+                        self.store.put(c.key(State.PARAM), c.master)
                 if self.swapped[k]:
-                    self._write_back(todo, mark)
+                    self._write_back(todo, progress)
                     for c in todo:  # the copy read the master's staging buffer before it goes back
                         self.streams.synchronize(self._reading.pop(c.index, DONE))
                     # Gradient shards on SSD are consumed, not written back (the next step overwrites them).
-                    dirty = [(c, name) for c, name in pairs if name != "grad"]
-                    tensors = [_get(c, name) for c, name in dirty]
-                    self.store.release([c.grad for c, name in pairs if name == "grad"])
-                    for c, name in pairs:
-                        _set(c, name, None)
+                    dirty = [(c, state) for c, state in pairs if state is not State.GRAD]
+                    tensors = [c.tensor(state) for c, state in dirty]
+                    self.store.release([c.grad for c, state in pairs if state is State.GRAD])
+                    for c, state in pairs:
+                        c.attach(state, None)
                     # The next forward gathers the updated parameter shards: they stay as clean copies.
-                    keys = [c.state_key(nm) for c, nm in dirty]
-                    writes.append(self.store.swap_out(keys, tensors, keep=[k for k, (_, nm) in zip(keys, dirty)
-                                                                           if nm == "param"]))
+                    keys = [c.key(state) for c, state in dirty]
+                    writes.append(self.store.swap_out(keys, tensors, keep=[k for k, (_, state) in zip(keys, dirty)
+                                                                           if state is State.PARAM]))
                     while in_step_bound and len(writes) > (1 if self.pipeline else 0):  # i-1's overlaps i
                         w = writes.pop(0)
                         w.wait()
                         waited += w.waited
                 elif todo:
-                    if self._write_pool is None or mark or any(self.crossing[c.index] for c in todo):
-                        self._write_back(todo, mark)  # copies to the device are asynchronous already
+                    if self._write_pool is None or progress is not None or any(self.crossing[c.index] for c in todo):
+                        self._write_back(todo, progress)  # copies to the device are asynchronous already
                     else:
                         futures.append(self._write_pool.submit(self._write_back, todo))
-                if mark:
-                    self._notify(sg)
+                if progress is not None:
+                    progress.updated(sg)
             for f in futures:
                 f.result()
         except BaseException:
@@ -358,16 +301,15 @@ class ShardedAdam:
                     self.store.release(h.wait())
         return waited
 
-    def _write_back(self, chunks: list[FlatChunk], background: bool = False) -> None:
+    def _write_back(self, chunks: list[FlatChunk], progress: WalkProgress | None = None) -> None:
         """fp32 master -> compute-dtype parameter shard; a shard on the device is reached by an asynchronous
-        copy, whose event ``wait_write_back`` (``wait_updated`` for a ``background`` step) hands to the
+        copy, whose event ``wait_write_back`` (the ``progress`` of a walk in the background) hands to the
         compute stream."""
         for c in chunks:
             if self.crossing[c.index]:
                 copy = self.streams.h2d(c.param_shard, c.master, after=self._after_compute)
-                if background:
-                    with self._progress:
-                        self._landing[c.index] = copy.done
+                if progress is not None:
+                    progress.landed(c.index, copy.done)
                 else:
                     self._write_events.append(copy.done)
                 self._reading[c.index] = copy.source_free
@@ -380,7 +322,8 @@ class ShardedAdam:
         for e in events:
             self.streams.wait(e)
 
-    def _update(self, cs: list[FlatChunk], grad_scale: float, delayed: bool = False) -> None:
+    def update_chunks(self, cs: list[FlatChunk], grad_scale: float, grads: State = State.GRAD) -> None:
+        """One fused Adam call over chunks ``cs`` (one sub-group: one tier, one parameter group)."""
         for c in cs:  # a write-back copy reading this master directly (pinned) must have read it
             if c.index in self._reading:
                 self.streams.synchronize(self._reading.pop(c.index))
@@ -390,35 +333,18 @@ class ShardedAdam:
         scale = None
         if grad_scale != 1.0:  # a fill kernel on an accelerator: no host-to-device copy of a Python scalar
             scale = torch.full((), grad_scale, dtype=torch.float32, device=masters[0].device)
-        grads = [c.grad_spare if delayed else c.grad for c in cs]
-        self.kernel(masters, grads, [c.exp_avg for c in cs], [c.exp_avg_sq for c in cs], [],
+        self.kernel(masters, [c.tensor(grads) for c in cs], [c.exp_avg for c in cs], [c.exp_avg_sq for c in cs], [],
                     steps, lr=self.lr, beta1=self.betas[0], beta2=self.betas[1],
                     weight_decay=self.groups[cs[0].plan.group].weight_decay, eps=self.eps,
                     amsgrad=False, maximize=False, grad_scale=scale, found_inf=None)
 
     def close(self) -> None:
-        if self._walker is not None:
-            self._walker.shutdown(wait=True)
-            self._walker = None
         if self._write_pool is not None:
             self._write_pool.shutdown(wait=True)
             self._write_pool = None
 
     def state_dict(self) -> dict:
         return {"lr": self.lr, "betas": list(self.betas), "eps": self.eps}
-
-
-def _get(chunk: FlatChunk, name: str) -> torch.Tensor:
-    return chunk.param_shard if name == "param" else getattr(chunk, name)
-
-
-def _set(chunk: FlatChunk, name: str, t: torch.Tensor | None) -> None:
-    """Attach (or detach) a swapped-in state; an fp32 parameter shard on SSD is also the master."""
-    if name == "param":
-        chunk.param_shard = t
-        chunk.master = t
-    else:
-        setattr(chunk, name, t)
 
 
 def _quiet_wait(handle) -> bool:

@@ -20,7 +20,7 @@ import bisect
 import torch
 
 from . import storage_pointer
-from .partition import FlatChunk
+from .chunk import FlatChunk
 
 _ALIGN_BYTES = 256
 

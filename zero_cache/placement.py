@@ -1,7 +1,7 @@
 """Where every shard lives: one byte budget per tier (device, host, SSD) and the sub-group placement.
 
 ``chunk_layout`` is the single source of the placement rules (which states a chunk has and their tiers;
-see builder.py); ``place_states`` uses it to put optimizer sub-groups in tiers:
+see chunk_init.py); ``place_states`` uses it to put optimizer sub-groups in tiers:
 
 - the first ``prefetch_cache_sub_group_rate`` share of sub-groups keeps its states on the device;
 - with ``offload_optimizer.device = cpu`` the rest go to the host while the host budget holds (states
@@ -30,13 +30,14 @@ import torch
 from .aio import check_writable, nearest_existing_dir, round_up
 from .config import ZeroCacheConfig, ZeroConfigError
 from .partition import ChunkPlan
+from .states import State
 from .store import DEVICE, HOST, NVME, TIERS
 from .streams import STAGING_BUFFERS, separate_memory
 
 
 @dataclass(frozen=True)
 class StateSpec:
-    name: str  # param, full, master, grad, exp_avg, exp_avg_sq
+    state: State
     kind: str
     tier: str
     numel: int
@@ -55,7 +56,7 @@ def chunk_layout(plan: ChunkPlan, opt_tier: str, cfg: ZeroCacheConfig, dtype: to
     on_ssd = opt_tier == NVME
     cpu_compute = not separate_memory(cfg, device)  # the host optimizer may update device-tier tensors in place
     if plan.resident:
-        specs = [StateSpec("full", "params", DEVICE, plan.padded, dtype)]
+        specs = [StateSpec(State.FULL, "params", DEVICE, plan.padded, dtype)]
         param_tier, param_on_cpu = DEVICE, cpu_compute
     else:
         offload = cfg.zero_optimization.offload_param.device
@@ -63,18 +64,18 @@ def chunk_layout(plan: ChunkPlan, opt_tier: str, cfg: ZeroCacheConfig, dtype: to
             param_tier = opt_tier
         else:
             param_tier = {"cpu": HOST, "nvme": NVME}.get(offload, DEVICE)
-        specs = [StateSpec("param", "params", param_tier, plan.shard, dtype)]
+        specs = [StateSpec(State.PARAM, "params", param_tier, plan.shard, dtype)]
         param_on_cpu = param_tier in (HOST, NVME) or cpu_compute
     lock_free = cfg.zero_optimization.lock_free_update
     if lock_free or not (fp32 and (param_tier == opt_tier or (on_ssd and param_on_cpu))):
-        specs.append(StateSpec("master", "optimizer", opt_tier, plan.shard, torch.float32))  # else param = master
+        specs.append(StateSpec(State.MASTER, "optimizer", opt_tier, plan.shard, torch.float32))  # else param = master
     grad_tier = (NVME if grad_on_ssd else HOST) if on_ssd else opt_tier
-    specs.append(StateSpec("grad", "grads", grad_tier, plan.shard, torch.float32))
+    specs.append(StateSpec(State.GRAD, "grads", grad_tier, plan.shard, torch.float32))
     if lock_free:  # the next step's gradients, and the updated parameters waiting to be published
-        specs.append(StateSpec("grad_spare", "grads", grad_tier, plan.shard, torch.float32))
-        specs.append(StateSpec("pending", "params", HOST if opt_tier != DEVICE else DEVICE, plan.shard, dtype))
-    specs.append(StateSpec("exp_avg", "optimizer", opt_tier, plan.shard, torch.float32))
-    specs.append(StateSpec("exp_avg_sq", "optimizer", opt_tier, plan.shard, torch.float32))
+        specs.append(StateSpec(State.GRAD_SPARE, "grads", grad_tier, plan.shard, torch.float32))
+        specs.append(StateSpec(State.PENDING, "params", HOST if opt_tier != DEVICE else DEVICE, plan.shard, dtype))
+    specs.append(StateSpec(State.EXP_AVG, "optimizer", opt_tier, plan.shard, torch.float32))
+    specs.append(StateSpec(State.EXP_AVG_SQ, "optimizer", opt_tier, plan.shard, torch.float32))
     return specs
 
 
@@ -116,7 +117,7 @@ def param_staging_bytes(plans: list[ChunkPlan], layouts: list[list[StateSpec]], 
     """Host staging for parameter shards on SSD: the gather window ahead and the SSD read-ahead window
     (``stage3_prefetch_bucket_size`` gathered elements each, i.e. that over N shard elements) plus the two
     largest shards in use."""
-    specs = [s for layout in layouts for s in layout if s.name == "param" and s.tier == NVME]
+    specs = [s for layout in layouts for s in layout if s.state == State.PARAM and s.tier == NVME]
     if not specs:
         return 0
     shards = sorted((round_up(s.nbytes) for s in specs), reverse=True)
@@ -136,15 +137,15 @@ def copy_staging_units(plans: list[ChunkPlan], layouts: list[list[StateSpec]], c
         return 0, 0
     h2d = d2h = 0
     for plan, layout in zip(plans, layouts):
-        tiers = {s.name: s for s in layout}
-        param = tiers.get("param")
+        tiers = {s.state: s for s in layout}
+        param = tiers.get(State.PARAM)
         if param is not None and param.tier != DEVICE:
             h2d = max(h2d, param.nbytes)
-        master = tiers.get("master")
+        master = tiers.get(State.MASTER)
         on_device = plan.resident or (param is not None and param.tier == DEVICE)
         if master is not None and master.tier != DEVICE and on_device:
             h2d = max(h2d, master.nbytes)
-        if tiers["grad"].tier != DEVICE:
+        if tiers[State.GRAD].tier != DEVICE:
             d2h = max(d2h, 4 * plan.shard)
     return round_up(h2d) if h2d else 0, round_up(d2h) if d2h else 0
 
@@ -254,7 +255,7 @@ def with_param_cache(placed: Placement, spare_host: int) -> Placement:
     copy for the optimizer, whose written shard serves the next forward (ssd_store.py). It comes before the
     optimizer's read-ahead because it saves reads, where read-ahead only moves them under compute."""
     shards = sum(round_up(s.nbytes) for layout in placed.layouts for s in layout
-                 if s.name == "param" and s.tier == NVME)
+                 if s.state == State.PARAM and s.tier == NVME)
     keep = min(max(spare_host, 0), shards)
     return replace(placed, param_staging=placed.param_staging + keep, param_keep=keep) if keep else placed
 

@@ -32,10 +32,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .chunk import FlatChunk
 from .host_lane import HostLane
 from .optimizer import ShardedAdam
-from .partition import FlatChunk
-from .store import HOST, DeviceHostStore
+from .states import State
+from .store import HOST, ShardStore
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class SpeculationStats:
 
 class Speculation:
     def __init__(self, optimizer: ShardedAdam, chunks: list[FlatChunk], sub_groups: list[list[int]],
-                 eligible: list[bool], store: DeviceHostStore, lane: HostLane):
+                 eligible: list[bool], store: ShardStore, lane: HostLane):
         self.opt = optimizer
         self.chunks = chunks
         self.sub_groups = sub_groups
@@ -65,8 +66,8 @@ class Speculation:
             if room is not None and need > room:
                 break
             self.backups[k] = [(chunks[i],) + tuple(
-                store.allocate(f"spec{k}.c{i}.{name}", "optimizer", HOST, chunks[i].plan.shard, torch.float32)
-                for name in ("master", "exp_avg", "exp_avg_sq")) + (torch.zeros((), dtype=torch.float32),)
+                store.allocate(f"spec{k}.c{i}.{state.value}", "optimizer", HOST, chunks[i].plan.shard, torch.float32)
+                for state in (State.MASTER, State.EXP_AVG, State.EXP_AVG_SQ)) + (torch.zeros((), dtype=torch.float32),)
                 for i in sub_groups[k]]
         self.grad_scale = 1.0
         self._lock = threading.Lock()  # the lane speculates and restores; the training thread settles
@@ -102,7 +103,7 @@ class Speculation:
                 v.copy_(c.exp_avg_sq)
                 step.copy_(c.step)
             self.lr_used[k] = self.opt.lr
-            self.opt._update([c for c, *_ in self.backups[k]], self.grad_scale)
+            self.opt.update_chunks([c for c, *_ in self.backups[k]], self.grad_scale)
             self.speculated.add(k)
             self._totals[0] += 1
 

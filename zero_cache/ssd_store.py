@@ -40,7 +40,7 @@ import torch
 from .aio import ALIGN, AioEngine, AlignedBuffer, BufferPool, PageFile, SSDTierError, spans
 from .config import AioConfig
 from .pinned_memory import Pinning
-from .store import HOST, KINDS, NVME, DeviceHostStore, SwapHandle, check_range
+from .store import HOST, KINDS, NVME, DeviceHostStore, MemoryReport, SwapHandle, check_range
 
 SWAP_DIR = "zero_cache_swap"
 
@@ -307,6 +307,20 @@ class SSDStore(DeviceHostStore):
         with self._lock:
             held = [self._buffers[id(t)] for t in self._clean.values()]
         return sum(buf.capacity for p, buf in held if pool is None or p is pool)
+
+    def io_totals_and_reset(self) -> tuple[float, int, int]:
+        return self.aio.busy_seconds_and_reset()
+
+    def unbounded_staging(self) -> bool:
+        return self.pool.limit is None
+
+    def report_staging(self, report: MemoryReport) -> None:
+        report.ssd_cached = self.cached_bytes()
+        report.swap_buffers_now = self.pool.in_use - self.cached_bytes(self.pool)
+        report.swap_buffers_peak = self.pool.peak_in_use
+        report.param_staging_peak = self.param_pool.peak_held
+        report.peak_by_tier[HOST] = (report.peak_by_tier.get(HOST, 0) + self.pool.peak_held
+                                     + self.param_pool.peak_held)
 
     def synchronize_writes(self) -> None:
         """Wait for every write still in flight (raising the first one's error, after all have ended)."""

@@ -128,6 +128,22 @@ class ShardStore(ABC):
         serve the next ``swap_in`` of ``key`` without I/O."""
         return False
 
+    def room(self, tier: str) -> int | None:
+        """Bytes ``tier`` can still allocate under its budget (None: no budget)."""
+        return None
+
+    def io_totals_and_reset(self) -> tuple[float, int, int]:
+        """(seconds with SSD I/O in flight, bytes read, bytes written) of the optimizer's transfers since the last
+        call (gathers' reads are not counted); zeros for a store without an SSD tier."""
+        return 0.0, 0, 0
+
+    def unbounded_staging(self) -> bool:
+        """Whether the SSD tier's staging pool has no byte limit (then its users bound the buffers they hold)."""
+        return False
+
+    def report_staging(self, report: MemoryReport) -> None:  # noqa: B027 (only the SSD tier has staging)
+        """Add the SSD tier's staging buffers (now, peak, clean copies) to ``report``."""
+
     def synchronize_writes(self) -> None:  # noqa: B027 (only the SSD tier has writes in flight)
         """Wait for every ``swap_out`` still in flight; raise the first failure."""
 

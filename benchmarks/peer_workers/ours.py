@@ -1,4 +1,4 @@
-"""Ours: the zero_cache ZeRO-3 engine, built and driven as megatron/training/zero_backend.py does."""
+"""Ours: the zero_cache ZeRO-3 engine, built and driven as megatron/training/backends/zero.py does."""
 from __future__ import annotations
 
 import torch

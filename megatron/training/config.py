@@ -1,7 +1,8 @@
 """The trainer's configuration: typed, frozen, built once by ``arguments.parse_args`` and passed explicitly.
 
 The subsystems' own configs live next to their code (``OptimizerConfig``, ``SchedulerConfig``,
-``DataConfig``, ``TokenizerConfig``, ``CheckpointConfig``); ``Config`` bundles them with the ones here.
+``DataConfig``, ``TokenizerConfig``, ``CheckpointConfig``, the engine's ``ZeroCacheConfig``); ``Config``
+bundles them with the ones here.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from megatron.data.config import DataConfig
 from megatron.tokenizer.config import TokenizerConfig
 from megatron.training.checkpoint.config import CheckpointConfig
 from megatron.training.lr_scheduler import SchedulerConfig
+from zero_cache.config import ZeroCacheConfig
 
 FlagValue = int | float | str | bool | None
 
@@ -159,7 +161,13 @@ class Config:
     tokenizer: TokenizerConfig
     checkpoint: CheckpointConfig
     deepspeed: DeepSpeedFlags
+    # --deepspeed: the engine's config, the JSON merged with the flags and parsed once (zero_config.py); else None
+    zero_cache: ZeroCacheConfig | None = None
     flags: tuple[tuple[str, FlagValue], ...] = ()  # every scalar flag by Megatron name, as resolved by parse_args
+
+    def __post_init__(self):
+        if self.deepspeed.enabled != (self.zero_cache is not None):
+            raise ValueError("Config.zero_cache is the parsed --deepspeed_config: given exactly when --deepspeed is")
 
     def to_megatron_args(self, model: TransformerConfig, vocab_size: int | None = None) -> dict[str, FlagValue]:
         """The plain ``args`` dict stored in checkpoints (Megatron's names), as the conversion tools read it:

@@ -19,7 +19,8 @@ from megatron.core.pipeline_parallel import p2p_communication as p2p
 from megatron.core.pipeline_parallel.schedules import ForwardStepFunc, forward_backward
 from megatron.data import build_pretraining_data_loader
 from megatron.tokenizer import build_tokenizer
-from megatron.training.backend import Backend, BackendStepResult, build_backend, build_model
+from megatron.training.backends import build_backend, build_model
+from megatron.training.backends.base import Backend, BackendStepResult
 from megatron.training.checkpoint.manager import CheckpointManager
 from megatron.training.config import Config, ConfigError
 from megatron.training.exit_conditions import ExitConditions

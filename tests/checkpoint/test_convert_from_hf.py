@@ -12,9 +12,9 @@ from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.model.gpt_model import GPTModel
-from megatron.training.checkpoint.checkpointer import iteration_dir
 from megatron.training.checkpoint.ddp_states import DataParallelStates
 from megatron.training.checkpoint.layout import layout_function
+from megatron.training.checkpoint.names import iteration_dir
 from tests.dist_utils import run_distributed
 from tools.checkpoint import convert_from_hf, convert_to_hf
 from tools.checkpoint.loader import model_config_from_args, open_checkpoint, read_args

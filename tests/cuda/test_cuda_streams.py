@@ -159,7 +159,7 @@ def test_bf16_update_under_the_next_forward_equals_the_waiting_step(offload, tmp
         losses, running = [], []
         for s in range(STEPS):
             losses += train_engine(engine, data, 0, 1, steps=[s])
-            running.append(engine.optimizer.in_flight())
+            running.append(engine.update.in_flight())
         weights = engine.gather_state_dict()
         engine.close()
         runs[overlap] = losses, weights, running

@@ -68,7 +68,7 @@ def test_steady_state_step_synchronises_the_host_once():
     with SyncCounter() as syncs:
         for s in range(WARM_UP):
             _step(engine, data[s], syncs, losses)
-        assert engine.optimizer.in_flight()  # the host sub-groups' update runs under the next forward
+        assert engine.update.in_flight()  # the host sub-groups' update runs under the next forward
         syncs.clear()  # from here on the steady state, the last warm-up update included
         per_step = []
         for s in range(WARM_UP, WARM_UP + MEASURED):

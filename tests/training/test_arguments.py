@@ -7,12 +7,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+import zero_cache
+from megatron.core import parallel_state as ps
+from megatron.training import zero_config
 from megatron.training.arguments import ConfigError, parse_args
-from megatron.training.backend import Backend, BackendStepResult, MegatronBackend
-from megatron.training.zero_backend import ZeroBackend, step_result
+from megatron.training.backends.base import Backend, BackendStepResult
+from megatron.training.backends.ddp import MegatronBackend
+from megatron.training.backends.zero import ZeroBackend, step_result
 from tests.training.parallel_harness import TINY_GPT
-from zero_cache import StepResult
+from zero_cache import StepResult, ZeroCacheConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -178,3 +183,46 @@ def test_engine_step_result_becomes_the_trainers():
         BackendStepResult(update_successful=True, grad_norm=0.5, loss_scale=8.0)
     skipped = step_result(StepResult(grad_norm=float("inf"), skipped=True, loss_scale=4.0, lr=1e-3))
     assert not skipped.update_successful and skipped.grad_norm == float("inf") and skipped.loss_scale == 4.0
+
+
+def test_the_deepspeed_json_is_read_and_parsed_once_into_the_config(tmp_path, monkeypatch):
+    calls = {"read_json": 0, "parse_config": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+    for name in calls:
+        monkeypatch.setattr(zero_config, name, counted(name, getattr(zero_config, name)))
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    cfg = parse_args(TINY_GPT + ["--deepspeed", "--deepspeed_config", str(ds), "--zero-stage", "3"], world_size=2)
+    assert calls == {"read_json": 1, "parse_config": 1}
+    z = cfg.zero_cache
+    assert isinstance(z, ZeroCacheConfig) and z.zero_optimization.stage == 3  # --zero-stage wins
+    assert (z.train_micro_batch_size_per_gpu, z.gradient_accumulation_steps, z.train_batch_size) == \
+        (cfg.parallel.micro_batch_size, cfg.parallel.num_microbatches, cfg.parallel.global_batch_size)
+    assert parse_args(TINY_GPT, world_size=1).zero_cache is None
+
+
+def test_the_zero_backend_hands_the_parsed_config_to_the_engine(tmp_path, monkeypatch):
+    ds = tmp_path / "ds.json"
+    ds.write_text("{}")
+    cfg = parse_args(TINY_GPT + ["--deepspeed", "--deepspeed_config", str(ds)], world_size=1)
+    given = {}
+
+    class Stop(Exception):
+        pass
+
+    def initialize(model, config, **kwargs):
+        given["config"] = config
+        raise Stop
+    monkeypatch.setattr(zero_cache, "initialize", initialize)
+    monkeypatch.setattr(ps, "get_data_parallel_group", lambda: None)
+    monkeypatch.setattr(ps, "get_model_parallel_group", lambda: None)
+    model = torch.nn.Linear(2, 2)
+    model.shared_embedding_weight = lambda: None
+    with pytest.raises(Stop):
+        ZeroBackend(cfg, model)
+    assert given["config"] is cfg.zero_cache

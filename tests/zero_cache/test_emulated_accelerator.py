@@ -36,8 +36,8 @@ from zero_cache.comm import Comm
 from zero_cache.config import EmulatedAcceleratorConfig, ZeroConfigError, parse_config
 from zero_cache.emulator import EmulatedStreams
 from zero_cache.grad_reducer import GradReducer
-from zero_cache.optimizer import ShardedAdam
 from zero_cache.streams import DONE, make_streams
+from zero_cache.update import OverlappedUpdate
 
 DP = 2
 # Slow enough that every copy is still in flight when a reader that skips its wait looks.
@@ -74,7 +74,7 @@ def _train(engine, rank: int, world_size: int, steps: int = STEPS):
             micro.append(loss.item())
             engine.backward(loss)
         engine.step()
-        running.append(engine.optimizer.in_flight())
+        running.append(engine.update.in_flight())
         losses.append(sum(micro) / len(micro))
         copies.append(engine.copy_stats())
         speculation.append(engine.last_speculation)
@@ -207,7 +207,7 @@ def test_update_under_the_forward_copies_bf16_shards_to_the_device_and_the_forwa
     assert overlapped[0] == waiting[0]
     for name, w in waiting[1].items():
         assert torch.equal(overlapped[1][name], w), name
-    monkeypatch.setattr(ShardedAdam, "_hand_copy", lambda self, chunk: self._landing.pop(chunk, None))
+    monkeypatch.setattr(OverlappedUpdate, "_hand_copy", lambda self, chunk: self._landing.pop(chunk, None))
     assert run(True)[0] != waiting[0]  # a gather read a shard still in flight (the emulator's NaN)
 
 

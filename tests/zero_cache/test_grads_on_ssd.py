@@ -10,6 +10,7 @@ from torch import nn
 import zero_cache
 from tests.dist_utils import run_distributed
 from zero_cache import grad_reducer
+from zero_cache.states import State
 
 pytestmark = pytest.mark.multiprocess
 
@@ -82,7 +83,7 @@ def _train(rank, world_size, nvme, pipeline, host_budget):
         grad_reducer.empty_mapped = map_new
     report = engine.memory_report()
     weights = engine.gather_state_dict()
-    on_ssd = [("grad" in c.swapped) for c in engine.chunks]
+    on_ssd = [c.on_ssd(State.GRAD) for c in engine.chunks]
     engine.close()
     return losses, weights, report, on_ssd, per_step
 

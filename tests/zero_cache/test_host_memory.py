@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import zero_cache
-import zero_cache.engine as engine_module
+import zero_cache.builder as builder_module
 from zero_cache.host_memory import START_UP_MMAP_THRESHOLD, empty_mapped
 
 from .common import ds_config, make_model
@@ -76,7 +76,7 @@ def test_engine_buffers_are_mappings_of_their_own():
 @pytest.mark.parametrize("reuse", [True, False])
 def test_the_engine_switches_to_the_training_setting_unless_told_not_to(monkeypatch, reuse):
     calls = []
-    monkeypatch.setattr(engine_module, "set_malloc_for_start_up", lambda: calls.append("start-up"))
-    monkeypatch.setattr(engine_module, "set_malloc_for_training", lambda: calls.append("training"))
+    monkeypatch.setattr(builder_module, "set_malloc_for_start_up", lambda: calls.append("start-up"))
+    monkeypatch.setattr(builder_module, "set_malloc_for_training", lambda: calls.append("training"))
     zero_cache.initialize(model=make_model(), config=ds_config(3, 1, reuse_freed_host_memory=reuse))
     assert calls == (["start-up", "training"] if reuse else ["start-up"])

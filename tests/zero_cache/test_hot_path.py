@@ -109,12 +109,12 @@ def _sequence(rank, world_size, config, seed):
     a GPU issues them in), with random pauses of its own."""
     requests = []
     rng = random.Random(seed * 100 + rank)
-    update = ShardedAdam._update
+    update = ShardedAdam.update_chunks
 
     def slow_update(self, *args, **kwargs):  # the update under the next forward reaches chunks at other times
         time.sleep(rng.uniform(0, 0.004))
         return update(self, *args, **kwargs)
-    ShardedAdam._update = slow_update
+    ShardedAdam.update_chunks = slow_update
     engine = make_engine(config)
     for m in engine.module.modules():
         m.register_forward_pre_hook(lambda *_: time.sleep(rng.uniform(0, 0.003)))

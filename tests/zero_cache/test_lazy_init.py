@@ -81,7 +81,7 @@ def _peak_rss_of_lazy_build(rank, world_size, nvme):
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     model_bytes = sum(p.numel() for p in model.parameters()) * 4
     host = engine.memory_report().by_tier.get("host", 0)
-    first = engine.chunk_state(0, "param")
+    first = engine.states.chunk_state(0, "param")
     engine.close()
     return grown, model_bytes, host, float(first.min()), float(first.max())
 

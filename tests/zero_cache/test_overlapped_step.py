@@ -33,7 +33,7 @@ def _hold_last_sub_group(engine) -> tuple[threading.Event, list[int]]:
     updated in memory but not yet handed to the store): it goes on when ``release`` is set, which the forward's
     gate does when it waits for one of those chunks, or after 120 s (a guard against a hang)."""
     last = engine.sub_groups[-1]
-    keys = {engine.chunks[i].state_key(n) for i in last for n in engine.chunks[i].swapped}
+    keys = {engine.chunks[i].key(n) for i in last for n in engine.chunks[i].swapped}
     release = threading.Event()
     swap_out = engine.store.swap_out
 
@@ -42,15 +42,15 @@ def _hold_last_sub_group(engine) -> tuple[threading.Event, list[int]]:
             release.wait(120.0)
         return swap_out(ks, tensors, keep)
 
-    wait_updated = engine.optimizer.wait_updated
+    wait_updated = engine.update.before_gather
 
     def gate(chunk):
-        if chunk in last and not engine.optimizer.updated(chunk):  # about to wait for the held update
+        if chunk in last and not engine.update.may_gather(chunk):  # about to wait for the held update
             release.set()
         wait_updated(chunk)
 
     engine.store.swap_out = held
-    engine.optimizer.wait_updated = gate
+    engine.update.before_gather = gate
     return release, last
 
 
@@ -59,7 +59,7 @@ def test_forward_waits_for_each_chunk_update_and_matches_the_waiting_step(tmp_pa
     data = batches(STEPS)
     waiting = _engine(str(tmp_path / "a"), False, offload_param)
     ref_losses = train_engine(waiting, data, 0, 1)
-    assert not waiting.optimizer.in_flight()  # without the overlap the step returns with its update done
+    assert not waiting.update.in_flight()  # without the overlap the step returns with its update done
     ref_weights = waiting.gather_state_dict()
     waiting.close()
 
@@ -67,8 +67,8 @@ def test_forward_waits_for_each_chunk_update_and_matches_the_waiting_step(tmp_pa
     release, last = _hold_last_sub_group(engine)
     losses = train_engine(engine, data, 0, 1, steps=[0])
     # The step has returned while its update is still running, held before the last sub-group's write-back.
-    assert engine.optimizer.in_flight()
-    assert not any(engine.optimizer.updated(c) for c in last)
+    assert engine.update.in_flight()
+    assert not any(engine.update.may_gather(c) for c in last)
     assert not release.is_set()
     losses += train_engine(engine, data, 0, 1, steps=range(1, STEPS))
     # The next forward reached the held chunks and waited for them (it released the hold itself, not the
@@ -94,6 +94,6 @@ def test_an_update_that_fails_under_the_forward_raises_there(tmp_path):
     train_engine(engine, data, 0, 1, steps=[1])  # returns: its update reads the damaged file in the background
     with pytest.raises(SSDTierError, match=f"'{victim}' is corrupted"):
         train_engine(engine, data, 0, 1, steps=[2])  # the forward's gather of that chunk
-    assert not engine.optimizer.in_flight()
+    assert not engine.update.in_flight()
     assert engine.store.pool.in_use == 0  # no staging buffer is left in use or targeted by I/O
     engine.close()  # the error was raised once; closing does not raise it again

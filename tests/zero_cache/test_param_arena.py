@@ -20,8 +20,10 @@ from tests.zero_cache.common import (
     to_numpy,
     train_engine,
 )
+from zero_cache.chunk import FlatChunk
+from zero_cache.comm import Comm, CommProfiler
 from zero_cache.param_arena import ParamArena, region_numel
-from zero_cache.partition import ChunkPlan, FlatChunk
+from zero_cache.partition import ChunkPlan
 
 DP, STEPS = 2, 4
 
@@ -29,7 +31,7 @@ DP, STEPS = 2, 4
 def _chunk(index: int, numel: int) -> tuple[FlatChunk, torch.Tensor]:
     """A released chunk and a view of it taken while it was allocated (as parameters and saved tensors are)."""
     plan = ChunkPlan(index, 0, False, numel=numel, padded=numel, shard=numel)
-    chunk = FlatChunk(plan, 0, torch.empty(numel))
+    chunk = FlatChunk(plan, Comm(None, CommProfiler(False)), torch.empty(numel), 1.0)
     view = chunk.full[10:20]
     chunk.free_full()
     return chunk, view

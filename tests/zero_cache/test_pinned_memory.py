@@ -12,6 +12,7 @@ import torch
 from tests.zero_cache.common import batches, ds_config, make_engine, train_engine
 from zero_cache.aio import AlignedBuffer
 from zero_cache.pinned_memory import ALIGN_BYTES, HostArena
+from zero_cache.states import State
 from zero_cache.store import HOST
 
 EMULATOR = {"enabled": True, "h2d_gbps": 1.0, "d2h_gbps": 1.0}
@@ -77,10 +78,10 @@ def test_pinned_host_shards_share_one_arena_sized_by_the_placement(monkeypatch):
         cfg["zero_optimization"][key]["pin_memory"] = True
     engine = make_engine(cfg)
     streams, store = engine.streams, engine.store
-    host = [store.get(c.state_key(name)) for c in engine.chunks for name in ("param", "master", "grad", "exp_avg",
-                                                                           "exp_avg_sq")
-            if (name != "master" or not c.master_is_param()) and (name != "param" or not c.plan.resident)
-            and store.tier_of(c.state_key(name)) == HOST]
+    host = [store.get(c.key(s)) for c in engine.chunks
+            for s in (State.PARAM, State.MASTER, State.GRAD, State.EXP_AVG, State.EXP_AVG_SQ)
+            if (s is not State.MASTER or not c.master_is_param()) and (s is not State.PARAM or not c.plan.resident)
+            and store.tier_of(c.key(s)) == HOST]
     assert host and all(streams.pinned(t) for t in host)
     assert len({t.untyped_storage().data_ptr() for t in host}) == 1  # one mapping holds them all
     shard_bytes = engine.memory_report().by_tier[HOST]

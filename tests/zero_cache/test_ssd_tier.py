@@ -31,6 +31,7 @@ from zero_cache import aio
 from zero_cache.aio import SSDTierError
 from zero_cache.config import AioConfig
 from zero_cache.ssd_store import SWAP_DIR, SSDStore
+from zero_cache.states import State
 
 DP = 2
 SUB_GROUP = 600  # shard elements per sub-group: the tiny model has 6 sub-groups per rank at DP=2
@@ -67,7 +68,7 @@ def _run_cases(rank, world_size, nvme):
         engine.synchronize_writes()  # the last step's write-backs may still be in flight
         # Optimizer staging per sub-group: its SSD states but the parameter shards, which the gathers hand
         # the step as clean copies in the parameter pool.
-        staged = {i: len(set(c.opt_swapped()) - {"param"}) * aio.round_up(4 * c.plan.shard)
+        staged = {i: len(set(c.opt_swapped()) - {State.PARAM}) * aio.round_up(4 * c.plan.shard)
                   for i, c in enumerate(engine.chunks)}
         sg_bytes = [sum(staged[i] for i in sg) for sg in engine.sub_groups]
         out[name] = {"losses": losses, "weights": to_numpy(engine.gather_state_dict()),
@@ -231,7 +232,7 @@ def _param_reads(rank, world_size, nvme, keep):
     for s in range(3):
         counts.append({"read": [], "gather": [], "disk": []})
         losses += train_engine(engine, batches(3), rank, world_size, steps=[s])
-    limit, on_ssd = engine.coordinator.keep_limit, [f"c{c.index}" for c in engine.chunks if "param" in c.swapped]
+    limit, on_ssd = engine.coordinator.keep_limit, [f"c{c.index}" for c in engine.chunks if c.on_ssd(State.PARAM)]
     engine.close()
     return counts, losses, limit, on_ssd
 

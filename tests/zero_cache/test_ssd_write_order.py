@@ -246,7 +246,7 @@ def _losses(path, monkeypatch=None, steps=3):
     engine = _engine(_nvme_config(1, str(path)))
     losses = []
     if monkeypatch is not None:
-        keys = {c.state_key(name) for c in engine.chunks for name in c.opt_swapped()}
+        keys = {c.key(state) for c in engine.chunks for state in c.opt_swapped()}
         gate = Gate(monkeypatch, held=keys)
         stepper, out = _in_thread(lambda: train_engine(engine, batches(steps), 0, 1, steps=[0]))
         stepper.join(60)

@@ -25,7 +25,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 
 from megatron.core.transformer_config import TransformerConfig
-from megatron.training.checkpoint.checkpointer import iteration_dir, write_tracker
+from megatron.training.checkpoint.checkpointer import write_tracker
+from megatron.training.checkpoint.names import iteration_dir
 from tools.checkpoint.hf_mapping import args_from_hf, our_tensor
 from tools.checkpoint.loader import expected_names
 from zero_cache.checkpoint import CheckpointError, distributed

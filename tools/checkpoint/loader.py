@@ -16,8 +16,9 @@ import re
 import torch
 
 from megatron.core.transformer_config import TransformerConfig
-from megatron.training.checkpoint.checkpointer import iteration_dir, read_tracker, tracker_path
+from megatron.training.checkpoint.checkpointer import read_tracker
 from megatron.training.checkpoint.legacy import checkpoint_file, load_file, saved_mesh
+from megatron.training.checkpoint.names import iteration_dir, tracker_path
 from zero_cache.checkpoint import CheckpointError, distributed
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
@@ -159,7 +160,7 @@ def load_full_state_dict(load_dir: str, iteration: int | None = None,
     args = read_args(load_dir, it)
     for key, size in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
         if args.get(key, size) != size:
-            raise CheckpointError(f"{load_dir}/iter_{it:07d} holds files of {key.split('_')[0]}-parallel size "
+            raise CheckpointError(f"{iteration_dir(load_dir, it)} holds files of {key.split('_')[0]}-parallel size "
                                   f"{size} but its args say {key}={args[key]}; the checkpoint is inconsistent")
     cfg = model_config_from_args(args)
     if cfg.num_layers % pp:

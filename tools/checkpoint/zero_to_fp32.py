@@ -29,7 +29,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch
 
-from megatron.training.checkpoint.checkpointer import iteration_dir, read_tracker
+from megatron.training.checkpoint.checkpointer import read_tracker
+from megatron.training.checkpoint.names import iteration_dirname
 from tools.checkpoint.loader import OUTPUT_LAYER, global_name, partition_dim
 from zero_cache.checkpoint import distributed
 from zero_cache.checkpoint.consolidate import consolidate
@@ -71,7 +72,7 @@ def _distributed_tag(save_dir: str, tag: str | None) -> str | None:
         iteration = read_tracker(save_dir)
         if iteration is None:
             return None
-        tag = os.path.basename(iteration_dir(save_dir, iteration))
+        tag = iteration_dirname(iteration)
     return tag if distributed.is_checkpoint(os.path.join(save_dir, tag)) else None
 
 

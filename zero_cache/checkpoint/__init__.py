@@ -2,9 +2,10 @@
 
 ``distributed``: the distributed checkpoint (global tensors through torch.distributed.checkpoint; any mesh and
 placement loads any checkpoint), its DCP planners, writer and reader in ``dcp_plumbing`` (imported on first
-use). ``sharded``: DeepSpeed's per-rank layout (same layout only) and ``consolidate``
-its offline merge. ``interface``: what both need from the owner of the states.
+use), the chunks they exchange in ``global_tensor``. ``sharded``: DeepSpeed's per-rank layout (same layout
+only), its directory names in ``names`` and ``consolidate`` its offline merge. ``interface``: what both need
+from the owner of the states. ``errors``: the ``CheckpointError`` every module raises.
 """
-from .slices import CheckpointError
+from .errors import CheckpointError
 
 __all__ = ["CheckpointError"]

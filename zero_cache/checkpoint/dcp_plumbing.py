@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from . import integrity
-from .distributed import Chunk, GlobalTensor
-from .slices import CheckpointError
+from .errors import CheckpointError
+from .global_tensor import Chunk, GlobalTensor
 
 
 class _SavePlanner(DefaultSavePlanner):

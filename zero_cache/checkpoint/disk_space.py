@@ -11,7 +11,7 @@ import errno
 import os
 import shutil
 
-from .slices import CheckpointError
+from .errors import CheckpointError
 
 _NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # torch.save's zip writer reports a failed write as a RuntimeError without the errno.

@@ -32,16 +32,16 @@ import logging
 import math
 import os
 import pickle
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
 from . import disk_space, integrity
+from .errors import CheckpointError
 from .geometry import GlobalSlice, flat_boxes, split_box
+from .global_tensor import Chunk, GlobalTensor
 from .interface import EXP_AVG, EXP_AVG_SQ, PARAM, STATES, StatePiece, StateSource
-from .slices import CheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -75,23 +75,6 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 # ---- what one rank writes / reads of a global tensor -------------------------------------------------------
-@dataclass
-class Chunk:
-    offsets: tuple[int, ...]  # global
-    sizes: tuple[int, ...]
-    read: Callable[[], torch.Tensor] | None = None  # save: the chunk's values, shaped ``sizes``
-    # load: commit(region offsets within the chunk, region lengths, values) writes a region into its state
-    commit: Callable[[tuple[int, ...], tuple[int, ...], torch.Tensor], None] | None = None
-
-
-@dataclass
-class GlobalTensor:
-    shape: tuple[int, ...]
-    resizable_dim: int | None = None
-    dtype: torch.dtype = torch.float32
-    chunks: list[Chunk] = field(default_factory=list)
-
-
 def _piece_chunks(piece: StatePiece, place: GlobalSlice, slice_numel: int):
     """(box, global offsets) of the boxes of ``piece``, at most ``slice_numel`` elements each."""
     for box in flat_boxes(piece.shape, piece.lo, piece.hi):

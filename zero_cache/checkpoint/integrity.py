@@ -10,7 +10,7 @@ import json
 import os
 import zlib
 
-from .slices import CheckpointError
+from .errors import CheckpointError
 
 CHECKSUMS = "checksums.json"
 _BLOCK = 1 << 20

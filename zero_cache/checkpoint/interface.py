@@ -1,8 +1,8 @@
 """What the checkpoint code needs from whoever owns the model states: the declared interface.
 
-Two implementations exist: ``ZeroEngine`` (states sharded over the data-parallel group, in any tier) and the
-trainer's plain data-parallel backend (every rank holds whole parameters and torch's AdamW state). The
-checkpoint code reads and writes states only through these methods.
+Two implementations exist: the engine's ``ShardStates`` (states sharded over the data-parallel group, in any
+tier) and the trainer's plain data-parallel backend (every rank holds whole parameters and torch's AdamW
+state). The checkpoint code reads and writes states only through these methods.
 """
 from __future__ import annotations
 

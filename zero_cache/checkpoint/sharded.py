@@ -21,8 +21,10 @@ import torch
 import torch.distributed as dist
 
 from . import integrity
+from .errors import CheckpointError
 from .interface import EXP_AVG, EXP_AVG_SQ, PARAM, ShardedStateSource
-from .slices import CheckpointError, SliceFiles, atomic_torch_save, pieces, write_slices
+from .names import LATEST, latest_path
+from .slices import SliceFiles, atomic_torch_save, pieces, write_slices
 
 FORMAT = "zero_cache/3"
 # 1: no slices (a list of per-chunk tensors or one flat tensor); 1 and 2: the training state as separate fields.
@@ -42,7 +44,7 @@ def is_sharded_checkpoint(tag_dir: str) -> bool:
 
 
 def latest_tag(load_dir: str) -> str:
-    path = os.path.join(load_dir, "latest")
+    path = latest_path(load_dir)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no '{path}': '{load_dir}' holds no complete zero_cache checkpoint "
                                 f"(pass tag= explicitly or check the directory)")
@@ -52,12 +54,12 @@ def latest_tag(load_dir: str) -> str:
 
 def write_latest(save_dir: str, tag: str) -> None:
     """``<save_dir>/latest`` names ``tag`` (atomic: written aside, then renamed)."""
-    tmp = os.path.join(save_dir, f"latest.tmp.{os.getpid()}")
+    tmp = os.path.join(save_dir, f"{LATEST}.tmp.{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(tag)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(save_dir, "latest"))
+    os.replace(tmp, latest_path(save_dir))
 
 
 def layout_of(source: ShardedStateSource) -> list[dict]:

@@ -17,9 +17,8 @@ import zlib
 
 import torch
 
-
-class CheckpointError(RuntimeError):
-    """A missing, truncated or corrupted checkpoint file; the message names it."""
+from .disk_space import is_no_space, no_space_error
+from .errors import CheckpointError
 
 
 def atomic_torch_save(obj, path: str) -> None:
@@ -32,7 +31,6 @@ def atomic_torch_save(obj, path: str) -> None:
     except (OSError, RuntimeError) as e:
         if os.path.exists(tmp):
             os.remove(tmp)
-        from .disk_space import is_no_space, no_space_error  # disk_space imports this module
         if is_no_space(e):
             raise no_space_error(path) from None
         raise

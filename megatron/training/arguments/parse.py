@@ -19,7 +19,7 @@ from megatron.training.arguments.scheduler import add_scheduler_args, scheduler_
 from megatron.training.arguments.tokenizer import add_tokenizer_args, tokenizer_config_from_args
 from megatron.training.arguments.train import add_training_args, train_config_from_args
 from megatron.training.config import Config, ConfigError, FlagValue, ModelConfig, ParallelConfig
-from megatron.training.zero_backend import check_deepspeed_config
+from megatron.training.zero_config import zero_cache_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,12 +41,9 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     args = build_parser().parse_args(argv)
     world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        cfg = _config(args, world_size)
-        if cfg.deepspeed.enabled:
-            check_deepspeed_config(cfg)
+        return _config(args, world_size)
     except ValueError as e:  # every config reports bad values as ValueError, naming the flag
         raise ConfigError(str(e)) from None
-    return cfg
 
 
 def _config(args: argparse.Namespace, world_size: int) -> Config:
@@ -61,12 +58,15 @@ def _config(args: argparse.Namespace, world_size: int) -> Config:
     if not args.mock_data and not (args.data_path or args.train_data_path):
         raise ValueError("no training data: pass --data-path PREFIX (see tools/preprocess_data.py) "
                          "or --mock-data for synthetic tokens")
-    return Config(
-        model=model, parallel=parallel, train=train, optimizer=optimizer_config_from_args(args),
-        scheduler=scheduler_config_from_args(args, train.train_iters),
-        data=data_config_from_args(args, build_timeout_minutes=parallel.distributed_timeout_minutes),
-        tokenizer=tokenizer_config_from_args(args), checkpoint=checkpoint_config_from_args(args),
-        deepspeed=deepspeed, flags=_flags(args, model, parallel))
+    optimizer = optimizer_config_from_args(args)
+    scheduler = scheduler_config_from_args(args, train.train_iters)
+    data = data_config_from_args(args, build_timeout_minutes=parallel.distributed_timeout_minutes)
+    tokenizer, checkpoint = tokenizer_config_from_args(args), checkpoint_config_from_args(args)
+    # The JSON last, once every flag it is merged with is valid (the data-parallel size included).
+    zero = zero_cache_config(deepspeed, parallel, optimizer) if deepspeed.enabled else None
+    return Config(model=model, parallel=parallel, train=train, optimizer=optimizer, scheduler=scheduler, data=data,
+                  tokenizer=tokenizer, checkpoint=checkpoint, deepspeed=deepspeed, zero_cache=zero,
+                  flags=_flags(args, model, parallel))
 
 
 def _check_model_on_mesh(model: ModelConfig, parallel: ParallelConfig) -> None:

@@ -28,20 +28,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron.training.checkpoint.names import is_iteration_dirname, iteration_dir, tracker_path
 from zero_cache.checkpoint import CheckpointError, distributed
 from zero_cache.checkpoint.interface import StateSource
 
-TRACKER = "latest_checkpointed_iteration.txt"
-_ITER_DIR = re.compile(r"^iter_(\d{7})$")
 _TMP = re.compile(r"\.tmp\.\d+$")
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def tracker_path(root: str) -> str:
-    return os.path.join(root, TRACKER)
 
 
 def write_tracker(root: str, iteration: int) -> None:
@@ -97,7 +88,7 @@ def remove_leftovers(root: str) -> list[str]:
     keep = iteration_dir(root, tracked) if tracked is not None else None
     for name in os.listdir(root):
         path = os.path.join(root, name)
-        if _ITER_DIR.match(name) and os.path.isdir(path) and path != keep:
+        if is_iteration_dirname(name) and os.path.isdir(path) and path != keep:
             if distributed.is_started(path) and not distributed.is_checkpoint(path):
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)

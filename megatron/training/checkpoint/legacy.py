@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
-from megatron.training.checkpoint.checkpointer import TRACKER, iteration_dir, read_tracker, tracker_path, write_tracker
+from megatron.training.checkpoint.checkpointer import read_tracker, write_tracker
 from megatron.training.checkpoint.config import CheckpointConfig
+from megatron.training.checkpoint.names import TRACKER, iteration_dir, tracker_path
 from megatron.training.checkpoint.rng import get_rng_state, set_rng_state, to_plain
 from zero_cache.checkpoint import CheckpointError, disk_space, integrity
 

@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
-from megatron.training.checkpoint import checkpointer
+from megatron.training.checkpoint import checkpointer, names
 from megatron.training.checkpoint.config import CheckpointConfig
 from megatron.training.checkpoint.rng import get_rng_state, set_rng_state, to_plain
 from zero_cache.checkpoint import CheckpointError, distributed
+from zero_cache.checkpoint.names import default_tag
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ class CheckpointManager:
             return 0, 0
         if os.path.exists(cfg.load) and not os.path.isdir(cfg.load):
             raise CheckpointError(f"--load {cfg.load} is a file; give the checkpoint directory (the one holding "
-                                  f"{checkpointer.TRACKER})")
+                                  f"{names.TRACKER})")
         if dist.get_rank() == 0:
             checkpointer.remove_leftovers(cfg.load)
         if dist.is_initialized():
@@ -119,17 +120,17 @@ class CheckpointManager:
         iteration = checkpointer.read_tracker(cfg.load)
         if iteration is None:
             if dist.get_rank() == 0:
-                print(f"> --load {cfg.load}: no {checkpointer.TRACKER} there, starting from scratch at iteration 0",
+                print(f"> --load {cfg.load}: no {names.TRACKER} there, starting from scratch at iteration 0",
                       flush=True)
             return 0, 0
         start = time.perf_counter()
-        directory = checkpointer.iteration_dir(cfg.load, iteration)
+        directory = names.iteration_dir(cfg.load, iteration)
         if distributed.is_started(directory):  # complete or not: an incomplete one fails naming what is missing
             it, consumed = self._load_distributed(directory)
         else:  # a legacy layout: the backend's own (or a clear error naming what is missing)
             it, consumed = self.backend.load_legacy_checkpoint(cfg, iteration, self.scheduler, self.rng_tracker)
         if dist.get_rank() == 0:
-            where = directory if os.path.isdir(directory) else os.path.join(cfg.load, f"global_step{iteration}")
+            where = directory if os.path.isdir(directory) else os.path.join(cfg.load, default_tag(iteration))
             print(f"> loaded checkpoint {where} in {time.perf_counter() - start:.2f} s (resuming at iteration {it}, "
                   f"{consumed} consumed samples)", flush=True)
         return it, consumed

@@ -3,14 +3,12 @@
 ZeRO shards model states over the data-parallel group of each tensor/pipeline
 position; the engine reduces gradients itself (hook-driven, so the 1F1B
 schedule's stage-to-stage ``torch.autograd.backward`` calls work unchanged).
-The Megatron flags fill in, and must agree with, the JSON's batch, precision,
-clipping and optimizer keys.
+The engine's config is ``Config.zero_cache``: the JSON merged with the Megatron
+flags and parsed once by ``parse_args`` (``megatron/training/zero_config.py``).
 """
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import os
 from typing import TYPE_CHECKING
 
@@ -20,86 +18,19 @@ import zero_cache
 from megatron.core import parallel_state as ps
 from megatron.core.deferred_init import initial_value
 from megatron.core.tensor_parallel import param_is_tensor_parallel_duplicate
-from megatron.training.backend import Backend, BackendStepResult
+from megatron.training.backends.base import Backend, BackendStepResult
+from megatron.training.checkpoint import names
 from megatron.training.checkpoint.checkpointer import write_tracker
 from megatron.training.checkpoint.config import CheckpointConfig
 from megatron.training.checkpoint.layout import layout_function
 from megatron.training.checkpoint.rng import get_rng_state, set_rng_state, to_plain
 from megatron.training.config import Config, ConfigError
 from zero_cache.checkpoint import CheckpointError, sharded
-from zero_cache.config import read_json
+from zero_cache.checkpoint.names import default_tag
 
 if TYPE_CHECKING:
     from zero_cache.checkpoint.distributed import Layout
     from zero_cache.checkpoint.interface import StateSource
-
-
-def _agree(ds: dict, key: str, value, flag: str, where: str = "") -> None:
-    """Fill ``ds[key]`` from a Megatron flag, or check the JSON says the same (``where``: the enclosing
-    block's path, for the message). ``true`` is not 1 here: a bool only agrees with a bool."""
-    if key in ds and (ds[key] != value or isinstance(ds[key], bool) != isinstance(value, bool)):
-        raise ConfigError(f"deepspeed config '{where}{key}': {json.dumps(ds[key])} disagrees with {flag} "
-                          f"({value}); remove the key or make them equal")
-    ds[key] = value
-
-
-def _block(ds: dict, key: str, path: str) -> dict:
-    """``ds[key]``, created empty when missing; a JSON object or a ConfigError naming the file."""
-    block = ds.setdefault(key, {})
-    if not isinstance(block, dict):
-        raise ConfigError(f"deepspeed config '{key}' in {path} must be a JSON object, got {json.dumps(block)}")
-    return block
-
-
-def deepspeed_config(cfg: Config) -> dict:
-    path = cfg.deepspeed.config_path
-    ds = read_json(path)
-    if not isinstance(ds, dict):
-        raise ConfigError(f"--deepspeed_config {path} must hold a JSON object ({{...}}), got {type(ds).__name__}")
-    par, o = cfg.parallel, cfg.optimizer
-    _agree(ds, "train_micro_batch_size_per_gpu", par.micro_batch_size, "--micro-batch-size")
-    _agree(ds, "gradient_accumulation_steps", par.num_microbatches,
-           "--global-batch-size / (--micro-batch-size x data-parallel size)")
-    _agree(ds, "train_batch_size", par.global_batch_size, "--global-batch-size")
-    if cfg.deepspeed.zero_stage is not None:
-        _block(ds, "zero_optimization", path)["stage"] = cfg.deepspeed.zero_stage
-    for key, on in (("bf16", o.bf16), ("fp16", o.fp16)):
-        block = _block(ds, key, path)
-        if "enabled" in block and not isinstance(block["enabled"], bool):
-            raise ConfigError(f"deepspeed config '{key}.enabled' in {path} must be true or false, got "
-                              f"{json.dumps(block['enabled'])}")
-        if "enabled" in block and block["enabled"] != on:
-            raise ConfigError(f"deepspeed config '{key}.enabled' is {json.dumps(block['enabled'])} but --{key} is "
-                              f"{'set' if on else 'not set'}; make them agree")
-        block["enabled"] = on
-    if o.fp16 and "loss_scale" not in ds["fp16"]:
-        ds["fp16"].update(loss_scale=o.loss_scale or 0.0, loss_scale_window=o.loss_scale_window,
-                          hysteresis=o.hysteresis, min_loss_scale=o.min_loss_scale,
-                          initial_scale_power=int(round(math.log2(o.initial_loss_scale))))
-    # The flags' optimizer is the one that trains (as a client optimizer wins over the JSON's in DeepSpeed):
-    # a JSON block that says otherwise is an error, not a silent override in either direction.
-    _agree(ds, "gradient_clipping", o.clip_grad, "--clip-grad")
-    opt = ds.setdefault("optimizer", {"type": "AdamW"})
-    params = opt.setdefault("params", {}) if isinstance(opt, dict) else None
-    if not isinstance(params, dict):
-        raise ConfigError(f"deepspeed config 'optimizer' in {path} must be an object whose 'params' is an object; "
-                          f"remove the block to train with the flags' AdamW")
-    for key, value, flag in (("lr", o.lr, "--lr"), ("betas", [o.adam_beta1, o.adam_beta2], "--adam-beta1/2"),
-                             ("eps", o.adam_eps, "--adam-eps"), ("weight_decay", o.weight_decay, "--weight-decay")):
-        _agree(params, key, value, flag, "optimizer.params.")
-    if opt.get("type") == "Adam" and params.get("adam_w_mode") is False:
-        raise ConfigError("deepspeed config 'optimizer': type Adam with adam_w_mode false adds weight decay to the "
-                          "gradient (L2), but the trainer's Adam decays decoupled (AdamW); remove the block or "
-                          "set type AdamW")
-    return ds
-
-
-def check_deepspeed_config(cfg: Config) -> None:
-    """Parse the merged config as the engine will, so a bad JSON fails before start-up."""
-    try:
-        zero_cache.parse_config(deepspeed_config(cfg), cfg.parallel.data_parallel_size)
-    except zero_cache.ZeroConfigError as e:
-        raise ConfigError(str(e)) from None
 
 
 def build_lazy_model(model_provider, model_cfg, rng_tracker, device: torch.device) -> torch.nn.Module:
@@ -129,7 +60,7 @@ class ZeroBackend(Backend):
             tied.append((shared, ps.get_embedding_group()))
         try:
             self.model = zero_cache.initialize(
-                model, deepspeed_config(cfg), dp_group=ps.get_data_parallel_group(),
+                model, config=cfg.zero_cache, dp_group=ps.get_data_parallel_group(),
                 model_parallel_group=ps.get_model_parallel_group(),
                 param_in_grad_norm=lambda p: not getattr(p, "shared", False)
                 and not param_is_tensor_parallel_duplicate(p),
@@ -160,8 +91,8 @@ class ZeroBackend(Backend):
         return step_result(self.model.step(lr=lr))
 
     def checkpoint_states(self) -> StateSource:
-        self.model.prepare_checkpoint()  # the last update finishes; SSD read-ahead is handed back
-        return self.model
+        self.model.states.prepare_checkpoint()  # the last update finishes; SSD read-ahead is handed back
+        return self.model.states
 
     def checkpoint_layout(self) -> Layout:
         return layout_function(self.module)
@@ -171,18 +102,18 @@ class ZeroBackend(Backend):
         """Each rank writes its own shards (no full model anywhere) under ``global_step<N>``, then the trackers."""
         client = {"iteration": iteration, "consumed_samples": consumed_samples, "args": to_plain(dict(args), "args"),
                   "opt_param_scheduler": scheduler.state_dict(), "rng_state": to_plain(get_rng_state(rng_tracker))}
-        self.model.save_sharded_checkpoint(cfg.save, tag=f"global_step{iteration}", client_state=client)
+        self.model.save_sharded_checkpoint(cfg.save, tag=default_tag(iteration), client_state=client)
         if torch.distributed.get_rank() == 0:  # Megatron's tracker too, so tools find the iteration
             write_tracker(cfg.save, iteration)
         torch.distributed.barrier()
 
     def load_legacy_checkpoint(self, cfg: CheckpointConfig, iteration: int, scheduler, rng_tracker
                                ) -> tuple[int, int]:
-        tag = f"global_step{iteration}"
+        tag = default_tag(iteration)
         if not sharded.is_sharded_checkpoint(os.path.join(cfg.load, tag)):
             raise CheckpointError(f"{cfg.load} holds no checkpoint of iteration {iteration} (neither "
-                                  f"iter_{iteration:07d}/ nor {tag}/ with zero_pp_rank files); restore it or "
-                                  f"point {cfg.load}/latest_checkpointed_iteration.txt at an earlier iteration")
+                                  f"{names.iteration_dirname(iteration)}/ nor {tag}/ with zero_pp_rank files); "
+                                  f"restore it or point {names.tracker_path(cfg.load)} at an earlier iteration")
         load_optim = not (cfg.no_load_optim or cfg.finetune)
         _, client = self.model.load_checkpoint(cfg.load, tag=tag, load_optimizer_states=load_optim)
         if load_optim:

@@ -1,0 +1,25 @@
+"""The trainer's backends and the choice between them: the zero_cache engine under ``--deepspeed``
+(``zero.py``), else Megatron's DDP + optimizer (``ddp.py``); both implement ``base.Backend``."""
+from __future__ import annotations
+
+import torch
+
+from megatron.training.backends.base import Backend
+from megatron.training.backends.ddp import MegatronBackend
+from megatron.training.backends.zero import ZeroBackend, build_lazy_model
+from megatron.training.config import Config
+
+
+def build_model(cfg: Config, model_provider, model_cfg, rng_tracker, device: torch.device) -> torch.nn.Module:
+    """The model on ``device``; under --deepspeed it is built without memory and the engine fills it chunk
+    by chunk (a model bigger than host memory can be trained), see zero.build_lazy_model."""
+    if cfg.deepspeed.enabled:
+        return build_lazy_model(model_provider, model_cfg, rng_tracker, device)
+    return model_provider(model_cfg, rng_tracker).to(device)
+
+
+def build_backend(cfg: Config, model: torch.nn.Module) -> Backend:
+    """The zero_cache engine under --deepspeed, else Megatron's DDP + optimizer."""
+    if cfg.deepspeed.enabled:
+        return ZeroBackend(cfg, model)
+    return MegatronBackend(cfg, model)
