@@ -1,4 +1,5 @@
-"""Tokenize JSONL into Megatron's .bin/.idx datasets (the command line of megatron.data.preprocess.cli).
+"""Tokenize a corpus (JSONL, .jsonl.gz/.zst, Parquet, saved datasets folders) into Megatron's .bin/.idx datasets
+(the command line of megatron.data.preprocess.cli).
 
     python tools/preprocess_data.py --input 'corpus/*.jsonl.gz' --json-keys text \\
         --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \\

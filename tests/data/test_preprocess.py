@@ -132,8 +132,9 @@ def test_empty_input_is_refused_and_writes_nothing(tmp_path, bpe_files, capsys):
     blank.write_text("\n\n  \n")
     for path in (empty, blank):
         _fails_with(gpt2_args(bpe_files, [str(path)], tmp_path / "out/e", "--workers", "2", "--partitions", "2"),
-                    capsys, rf"--input {path}: no documents \(the input is empty or every line was blank or skipped\);"
-                            r" give JSONL with one \{\"text\": ...\} object per line$")
+                    capsys, rf"--input {path}: no documents \(the input is empty or every line or row was blank or "
+                            r"skipped\); give JSONL with one \{\"text\": ...\} object per line, or Parquet or Arrow "
+                            r"with a 'text' column$")
         assert os.listdir(tmp_path / "out") == []
     untitled = write_jsonl(tmp_path / "untitled.jsonl", [{"text": "some words", "title": ""}] * 3)
     _fails_with(["--input", untitled, "--json-keys", "title", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",

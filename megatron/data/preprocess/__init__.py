@@ -1,1 +1,2 @@
-"""JSONL -> Megatron .bin/.idx preprocessing; the command line is cli.py (ptm-preprocess, tools/preprocess_data.py)."""
+"""Corpus (JSONL, Parquet, Arrow, saved datasets) -> Megatron .bin/.idx preprocessing; the command line is
+cli.py (ptm-preprocess, tools/preprocess_data.py)."""

@@ -1,15 +1,15 @@
 """One preprocessing job: the input in partitions processed at the same time, merged in input order.
 
-Each partition runs in its own process with its share of the encoder workers (partition.py); the Punkt
-model for ``--split-sentences`` is found or trained once, here. Outputs are written under temporary
-names and merged or renamed into place only when every partition succeeded. Progress goes to stderr,
-the summary to stdout.
+The input is expanded and planned first (inputs.py), which checks every Parquet and Arrow file's metadata
+before anything is written. Each partition runs in its own process with its share of the encoder workers
+(partition.py); the Punkt model for ``--split-sentences`` is found or trained once, here. Outputs are
+written under temporary names and merged or renamed into place only when every partition succeeded.
+Progress goes to stderr, the summary to stdout.
 """
 from __future__ import annotations
 
 import argparse
 import glob
-import json
 import multiprocessing as mp
 import os
 import queue
@@ -18,8 +18,10 @@ import time
 from dataclasses import dataclass
 
 from megatron.data.indexed_dataset import best_fitting_dtype, install_dataset, merge_datasets
-from megatron.data.preprocess.document_encoder import EncoderSettings
-from megatron.data.preprocess.jsonl_reader import expand_inputs, plan_partitions, read_chunks
+from megatron.data.preprocess.columnar_reader import ColumnarSegment
+from megatron.data.preprocess.document_encoder import EncoderSettings, records
+from megatron.data.preprocess.inputs import expand_inputs, plan_partitions, read_chunks
+from megatron.data.preprocess.jsonl_reader import Segment
 from megatron.data.preprocess.partition import BadInputError, PartitionJob, PartitionStats, run_partition
 from megatron.tokenizer import build_tokenizer
 from megatron.training.arguments.tokenizer import tokenizer_config_from_args
@@ -39,7 +41,7 @@ def _sentence_splitter_module():
     return sentence_splitter
 
 
-def _punkt_params(args: argparse.Namespace, files: list[str]) -> bytes | None:
+def _punkt_params(args: argparse.Namespace, segments: list[Segment | ColumnarSegment]) -> bytes | None:
     if not args.split_sentences:
         return None
     splitter = _sentence_splitter_module()
@@ -48,14 +50,10 @@ def _punkt_params(args: argparse.Namespace, files: list[str]) -> bytes | None:
         print(f"splitting sentences with the installed nltk Punkt model for {args.lang}", file=sys.stderr)
         return splitter.punkt_params_blob(params)
     def texts():  # only the Punkt sample is parsed here; the workers parse everything else
-        for chunk in read_chunks([s for part in plan_partitions(files, 1) for s in part], CHUNK_BYTES):
-            for line in chunk.data.splitlines():
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue  # bad lines are reported by the workers with their position
+        for chunk in read_chunks(segments, tuple(args.json_keys), CHUNK_BYTES):
+            for _, record, _ in records(chunk):  # bad lines are reported by the workers with their position
                 for key in args.json_keys:
-                    if isinstance(record, dict) and isinstance(record.get(key), str):
+                    if record is not None and isinstance(record.get(key), str):
                         yield record[key]
 
     start = time.perf_counter()
@@ -159,13 +157,14 @@ def _prepare_output_dir(output_prefix: str) -> None:
         raise BadInputError(f"--output-prefix {output_prefix}: cannot write to {directory} ({why}); {fix}")
 
 
-def _refuse_empty(stats: list[PartitionStats], files: list[str], keys: list[str]) -> None:
+def _refuse_empty(stats: list[PartitionStats], patterns: list[str], keys: list[str]) -> None:
     """A dataset without documents or tokens only fails later, in the trainer: refuse it here."""
     documents = sum(s.documents for s in stats)
-    names = ", ".join(files)
+    names = " ".join(patterns)
     if documents == 0:
-        raise BadInputError(f"--input {names}: no documents (the input is empty or every line was blank or "
-                            f"skipped); give JSONL with one {{\"{keys[0]}\": ...}} object per line")
+        raise BadInputError(f"--input {names}: no documents (the input is empty or every line or row was blank or "
+                            f"skipped); give JSONL with one {{\"{keys[0]}\": ...}} object per line, or Parquet or "
+                            f"Arrow with a {keys[0]!r} column")
     for key in keys:
         if sum(s.tokens[key] for s in stats) == 0:
             raise BadInputError(f"--input {names}: {documents:,} documents but no tokens under the key {key!r} "
@@ -175,29 +174,31 @@ def _refuse_empty(stats: list[PartitionStats], files: list[str], keys: list[str]
 def preprocess(args: argparse.Namespace) -> dict[str, str]:
     """Run the whole job; returns json key -> output prefix."""
     files = expand_inputs(args.input)
+    parts = plan_partitions(files, tuple(args.json_keys), args.partitions)  # also checks Parquet/Arrow metadata
     tokenizer_cfg = tokenizer_config_from_args(args)
     tokenizer = build_tokenizer(tokenizer_cfg)
     dtype = best_fitting_dtype(tokenizer.vocab_size)
     settings = EncoderSettings(tokenizer_cfg, tuple(args.json_keys), args.append_eod,
-                               _punkt_params(args, files), args.keep_newlines)
+                               _punkt_params(args, [s for part in parts for s in part]), args.keep_newlines)
     level = "sentence" if args.split_sentences else "document"
     finals = {key: f"{args.output_prefix}_{key}_{level}" for key in args.json_keys}
     _prepare_output_dir(args.output_prefix)
     tag = f"tmp-{os.getpid()}"
-    parts = plan_partitions(files, args.partitions)
+    total_bytes = sum(os.path.getsize(f.path) for f in files)
     jobs = [PartitionJob(index=i, segments=tuple(segments), settings=settings,
                          workers=args.workers // args.partitions + (i < args.workers % args.partitions),
                          output_prefixes={k: f"{f}.part{i}.{tag}" for k, f in finals.items()},
                          skip_bad_lines=args.skip_bad_lines, chunk_bytes=CHUNK_BYTES, dtype=dtype.name)
             for i, segments in enumerate(parts)]
-    print(f"tokenizing {len(files)} file(s), {sum(os.path.getsize(f) for f in files) / 1e6:.1f} MB, with "
+    formats = ", ".join(sorted({f.format for f in files}))
+    print(f"tokenizing {len(files)} file(s) ({formats}), {total_bytes / 1e6:.1f} MB, with "
           f"{tokenizer} into {', '.join(finals.values())} ({dtype.name}); {args.workers} worker(s), "
           f"{args.partitions} partition(s)", file=sys.stderr)
-    progress = _Progress(total_bytes=sum(os.path.getsize(f) for f in files), log_interval=args.log_interval,
+    progress = _Progress(total_bytes=total_bytes, log_interval=args.log_interval,
                          start=time.perf_counter())
     try:
         stats = _run_partitions(jobs, progress)
-        _refuse_empty(stats, files, args.json_keys)
+        _refuse_empty(stats, args.input, args.json_keys)
         for key, final in finals.items():
             shards = [job.output_prefixes[key] for job in jobs]
             if len(shards) == 1:
@@ -222,6 +223,6 @@ def _summary(stats: list[PartitionStats], finals: dict[str, str], elapsed: float
         print(f"skipped {blank:,} blank line(s)")
     if bad:
         examples = [e for s in stats for e in s.bad_line_examples][:10]
-        print(f"skipped {bad:,} bad line(s) (--skip-bad-lines); first ones:\n  " + "\n  ".join(examples))
+        print(f"skipped {bad:,} bad line(s) or row(s) (--skip-bad-lines); first ones:\n  " + "\n  ".join(examples))
     text_mb = sum(s.text_bytes for s in stats) / 1e6
     print(f"done in {elapsed:.1f}s ({documents / elapsed:,.0f} docs/s, {text_mb / elapsed:.2f} MB/s)")

@@ -1,9 +1,10 @@
-"""Streaming JSONL input: globs, ``.gz``, byte-range partitions, raw line chunks with their line numbers.
+"""Streaming JSONL input: globs, ``.gz`` and ``.zst``, byte-range partitions, raw line chunks with their lines.
 
-A partition is a list of segments (a byte range of a plain file, or a whole ``.gz`` file). A line belongs
-to the segment its first byte falls in, so adjacent ranges split a file without losing or repeating a
-line. Chunks carry raw bytes (parsing happens in the worker processes); reading never holds more than
-one chunk per call, whatever the input size.
+A partition is a list of segments (a byte range of a plain file, or a whole compressed file). A line
+belongs to the segment its first byte falls in, so adjacent ranges split a file without losing or
+repeating a line. Chunks carry raw bytes (parsing happens in the worker processes); reading never holds
+more than one chunk per call, whatever the input size. The ``zstandard`` package is imported only for
+``.zst`` input.
 """
 from __future__ import annotations
 
@@ -13,16 +14,22 @@ import os
 from dataclasses import dataclass
 from typing import Iterator
 
+from megatron.data.preprocess.balance import split_evenly
+
+GZIP_SUFFIXES = (".gz",)
+ZSTD_SUFFIXES = (".zst", ".zstd")
+ZSTD_MAX_WINDOW = 1 << 31  # accept files made with `zstd --long=31` (memory is used only if a file needs it)
+
 
 @dataclass(frozen=True)
 class Segment:
     path: str
-    start: int  # byte offset (always 0 for .gz)
-    end: int    # exclusive byte offset (the compressed size for .gz)
+    start: int  # byte offset (always 0 for a compressed file)
+    end: int    # exclusive byte offset (the compressed size for a compressed file)
 
     @property
     def compressed(self) -> bool:
-        return self.path.endswith(".gz")
+        return self.path.endswith(GZIP_SUFFIXES + ZSTD_SUFFIXES)
 
 
 @dataclass(frozen=True)
@@ -31,7 +38,7 @@ class RawChunk:
     segment_start: int
     first_line: int       # index of the chunk's first line within its segment (0-based)
     data: bytes           # whole lines, newline-terminated except possibly a file's last line
-    input_bytes: int      # bytes of the input file consumed (compressed bytes for .gz), for progress
+    input_bytes: int      # bytes of the input file consumed (compressed bytes when compressed), for progress
 
 
 def expand_inputs(patterns: list[str]) -> list[str]:
@@ -48,29 +55,23 @@ def expand_inputs(patterns: list[str]) -> list[str]:
 
 
 def plan_partitions(files: list[str], partitions: int) -> list[list[Segment]]:
-    """Cut the inputs into ``partitions`` contiguous parts of about equal size, in input order.
-
-    Plain files are cut at byte offsets (aligned to lines when read); a ``.gz`` file cannot be entered
-    mid-stream, so it goes whole to the part where most of it falls (some parts may then be empty).
-    """
+    """Cut the inputs into ``partitions`` contiguous parts of about equal size, in input order (balance.py):
+    plain files at byte offsets (aligned to lines when read), a compressed file whole."""
     sizes = [os.path.getsize(f) for f in files]
-    total = sum(sizes)
-    cuts = [total * k // partitions for k in range(1, partitions)]
-    parts: list[list[Segment]] = [[] for _ in range(partitions)]
-    offset = 0
-    for path, size in zip(files, sizes):
-        if path.endswith(".gz"):
-            middle = offset + size // 2
-            parts[sum(c <= middle for c in cuts)].append(Segment(path, 0, size))
-        else:
-            start = offset
-            for part, cut in enumerate(cuts + [total + 1]):
-                stop = min(cut, offset + size)
-                if stop > start:
-                    parts[part].append(Segment(path, start - offset, stop - offset))
-                    start = stop
-        offset += size
-    return parts
+    parts = split_evenly(sizes, [not Segment(f, 0, 0).compressed for f in files], partitions)
+    return [[Segment(files[i], start, end) for i, start, end in part] for part in parts]
+
+
+def zstandard_module(path: str):
+    """The ``zstandard`` package, or one clear error naming ``path`` when it is not installed."""
+    try:
+        import zstandard
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "zstandard":
+            raise
+        raise ValueError(f"{path}: reading .zst input needs the zstandard package, which is not installed: "
+                         f"pip install zstandard") from None
+    return zstandard
 
 
 def _plain_chunks(segment: Segment, chunk_bytes: int) -> Iterator[RawChunk]:
@@ -102,7 +103,8 @@ def _gzip_chunks(segment: Segment, chunk_bytes: int) -> Iterator[RawChunk]:
                 if data and not data.endswith(b"\n"):
                     data += f.readline()
             except (OSError, EOFError) as e:
-                raise ValueError(f"{segment.path}: corrupt gzip stream after line {line}: {e}") from None
+                raise ValueError(f"{segment.path}: corrupt gzip stream after line {line}: {e}; re-download or "
+                                 f"re-compress the file") from None
             if not data:
                 break
             yield RawChunk(segment.path, 0, line, data, raw.tell() - consumed)
@@ -110,9 +112,48 @@ def _gzip_chunks(segment: Segment, chunk_bytes: int) -> Iterator[RawChunk]:
             line += data.count(b"\n") + (not data.endswith(b"\n"))
 
 
+def _zstd_chunks(segment: Segment, chunk_bytes: int) -> Iterator[RawChunk]:
+    """A zstd stream of any number of frames, decompressed frame by frame: unlike the library's stream
+    reader, this notices a stream cut off in the middle of a frame (a truncated download)."""
+    zstandard = zstandard_module(segment.path)
+    decompressor = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
+    fix = "re-download or re-compress the file"
+    with open(segment.path, "rb") as raw:
+        frame, mid_frame = decompressor.decompressobj(), False
+        pending, line, consumed = b"", 0, 0
+        while True:
+            block = raw.read(max(chunk_bytes // 4, 1))  # text compresses about 4x: chunks of about chunk_bytes
+            at_end = not block
+            try:
+                while block:
+                    pending += frame.decompress(block)
+                    mid_frame = not frame.eof
+                    block = frame.unused_data if frame.eof else b""
+                    if frame.eof:
+                        frame = decompressor.decompressobj()
+            except zstandard.ZstdError as e:
+                done = line + pending.count(b"\n")
+                raise ValueError(f"{segment.path}: corrupt zstd stream after line {done}: {e}; {fix}") from None
+            if at_end and mid_frame:
+                done = line + pending.count(b"\n")
+                raise ValueError(f"{segment.path}: the zstd stream ends in the middle of a frame, after line {done} "
+                                 f"(a truncated file?); {fix}")
+            cut = len(pending) if at_end else pending.rfind(b"\n") + 1
+            if cut and (at_end or len(pending) >= chunk_bytes):
+                data, pending = pending[:cut], pending[cut:]
+                yield RawChunk(segment.path, 0, line, data, raw.tell() - consumed)
+                consumed = raw.tell()
+                line += data.count(b"\n") + (not data.endswith(b"\n"))
+            if at_end:
+                return
+
+
 def read_chunks(segments: list[Segment], chunk_bytes: int = 1 << 20) -> Iterator[RawChunk]:
     for segment in segments:
-        yield from (_gzip_chunks if segment.compressed else _plain_chunks)(segment, chunk_bytes)
+        if segment.path.endswith(ZSTD_SUFFIXES):
+            yield from _zstd_chunks(segment, chunk_bytes)
+        else:
+            yield from (_gzip_chunks if segment.compressed else _plain_chunks)(segment, chunk_bytes)
 
 
 def line_number(path: str, segment_start: int, line_in_segment: int) -> int:

@@ -14,8 +14,10 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
+from megatron.data.preprocess.columnar_reader import ColumnarSegment
 from megatron.data.preprocess.document_encoder import EncodedChunk, EncoderSettings, encode_chunk
-from megatron.data.preprocess.jsonl_reader import Segment, line_number, read_chunks
+from megatron.data.preprocess.inputs import read_chunks
+from megatron.data.preprocess.jsonl_reader import Segment, line_number
 
 MAX_BAD_LINE_EXAMPLES = 10
 
@@ -23,7 +25,7 @@ MAX_BAD_LINE_EXAMPLES = 10
 @dataclass(frozen=True)
 class PartitionJob:
     index: int
-    segments: tuple[Segment, ...]
+    segments: tuple[Segment | ColumnarSegment, ...]
     settings: EncoderSettings
     workers: int
     output_prefixes: dict[str, str]  # json key -> prefix of this partition's .bin/.idx (temporary names)
@@ -45,11 +47,14 @@ class PartitionStats:
 
 
 class BadInputError(ValueError):
-    """A malformed line without --skip-bad-lines."""
+    """A malformed line or row without --skip-bad-lines."""
 
 
-def _where(chunk: EncodedChunk, line_in_segment: int) -> str:
-    return f"{chunk.path}:{line_number(chunk.path, chunk.segment_start, line_in_segment)}"
+def _where(chunk: EncodedChunk, index: int) -> str:
+    """``file:line`` (1-based, as editors count) for JSONL; ``file: row N`` (0-based, as pyarrow counts)."""
+    if chunk.rows:
+        return f"{chunk.path}: row {chunk.first + index}"
+    return f"{chunk.path}:{line_number(chunk.path, chunk.segment_start, chunk.first + index)}"
 
 
 class _Writer:
@@ -62,7 +67,8 @@ class _Writer:
     def write(self, chunk: EncodedChunk) -> None:
         if chunk.bad_lines and not self.job.skip_bad_lines:
             line, problem = chunk.bad_lines[0]
-            raise BadInputError(f"{_where(chunk, line)}: {problem} (pass --skip-bad-lines to skip such lines)")
+            such = "rows" if chunk.rows else "lines"
+            raise BadInputError(f"{_where(chunk, line)}: {problem} (pass --skip-bad-lines to skip such {such})")
         for line, problem in chunk.bad_lines[:MAX_BAD_LINE_EXAMPLES - len(self.stats.bad_line_examples)]:
             self.stats.bad_line_examples.append(f"{_where(chunk, line)}: {problem}")
         for key, out in chunk.outputs.items():
@@ -99,7 +105,7 @@ def _encode_all(job: PartitionJob, executor: ProcessPoolExecutor, writer: _Write
         if stop.is_set():
             raise InterruptedError("stopped because another partition failed")
 
-    for chunk in read_chunks(list(job.segments), job.chunk_bytes):
+    for chunk in read_chunks(list(job.segments), job.settings.json_keys, job.chunk_bytes):
         pending.append(executor.submit(encode_chunk, job.settings, chunk))
         if len(pending) >= 2 * job.workers:
             write_oldest()
