@@ -1,10 +1,22 @@
-"""ZeRO-Cache: a generic ZeRO (stages 1-3) memory engine for any torch ``nn.Module``."""
-from .aio import SSDTierError
-from .config import ZeroCacheConfig, ZeroConfigError, parse_config
-from .engine import StepResult, ZeroEngine, initialize
-from .lazy_init import storage_less_parameters
-from .ssd_store import SSDStore
-from .store import DeviceHostStore, MemoryReport, ShardStore
+"""ZeRO-Cache: a generic ZeRO (stages 1-3) memory engine for any torch ``nn.Module``.
 
-__all__ = ["initialize", "storage_less_parameters", "ZeroEngine", "StepResult", "ZeroCacheConfig", "ZeroConfigError",
-           "parse_config", "ShardStore", "DeviceHostStore", "SSDStore", "SSDTierError", "MemoryReport"]
+The names below load on first use, so that ``zero_cache.config`` (what a trainer's argument parser needs to
+read a DeepSpeed JSON) does not bring in the engine.
+"""
+from importlib import import_module
+
+_LAZY = {
+    "initialize": ".engine", "ZeroEngine": ".engine", "StepResult": ".engine",
+    "storage_less_parameters": ".lazy_init",
+    "ZeroCacheConfig": ".config", "ZeroConfigError": ".config", "parse_config": ".config",
+    "ShardStore": ".store", "DeviceHostStore": ".store", "MemoryReport": ".store",
+    "SSDStore": ".ssd_store", "SSDTierError": ".aio",
+}
+
+__all__ = [*_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'zero_cache' has no attribute {name!r}")

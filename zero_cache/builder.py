@@ -179,8 +179,8 @@ def build_engine_parts(model: nn.Module, cfg: ZeroCacheConfig, *, dp_group=None,
                           max_events=z.max_param_reduce_events, tied_groups={chunk_of[id(p)]: g for p, g in tied},
                           norm_ranges=_norm_ranges(chunks, param_in_grad_norm), streams=streams, lane=lane)
     scaler, steps = LossScaler(cfg.fp16), StepCount()
-    states = ShardStates(model, cfg, chunks, store, comm, model_parallel_group, dtype, optimizer, scaler, update,
-                         refresh, steps)
+    states = ShardStates(model, cfg, chunks, store, comm, model_parallel_group, optimizer, scaler, update, refresh,
+                         steps)
     if z.reuse_freed_host_memory:
         set_malloc_for_training()  # each micro-batch's tensors reuse the last one's memory
     return EngineParts(module=model, config=cfg, dtype=dtype, device=device, comm=comm,

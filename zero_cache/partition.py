@@ -58,7 +58,7 @@ def plan_chunks(named_params: list[tuple[str, nn.Parameter]], group_of: dict[int
     """Pack parameters, in order, into chunks of at most ``page_numel`` elements.
 
     Each chunk is split over ``dp_size`` ranks, or over the size of its optimizer group's own shard group
-    (``group_dp_sizes[group]``, engine.py's ``param_groups``).
+    (``group_dp_sizes[group]``, the shard groups of builder.py).
 
     Chunks never mix optimizer groups or resident/partitioned parameters; parameters in ``isolated``
     (ids of tied parameters whose gradients are all-reduced across another group) get a chunk of their

@@ -34,15 +34,15 @@ class StepCount:
 
 class ShardStates:
     def __init__(self, module: nn.Module, config: ZeroCacheConfig, chunks: list[FlatChunk], store: ShardStore,
-                 comm: Comm, model_parallel_group, dtype: torch.dtype, optimizer: ShardedAdam, scaler: LossScaler,
-                 update: UpdateStrategy, refresh: ParamRefresh, steps: StepCount):
+                 comm: Comm, model_parallel_group, optimizer: ShardedAdam, scaler: LossScaler, update: UpdateStrategy,
+                 refresh: ParamRefresh, steps: StepCount):
         self.module = module
         self.config = config
         self.chunks = chunks
         self.store = store
         self.comm = comm
         self.model_parallel_group = model_parallel_group
-        self.dtype = dtype
+        self.dtype = chunks[0].full.dtype  # the compute dtype
         self.device = chunks[0].full.device
         self.optimizer = optimizer
         self.scaler = scaler
