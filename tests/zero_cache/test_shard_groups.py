@@ -167,3 +167,20 @@ def test_two_shard_groups_match_the_reference_and_reshard_on_load(tmp_path, tier
     engine.load_checkpoint(ckpt, layout=_expert_layout(lambda i: i))
     assert_close_weights(engine.gather_state_dict(), ref_weights)
     engine.close()
+
+
+def _outside_worker(rank, world_size):
+    pairs = [dist.new_group([0]), dist.new_group([1])]
+    model = ExpertGPT([0])
+    dense = [p for n, p in model.named_parameters() if not n.startswith("experts.")]
+    try:  # the engine's group is this rank alone; the experts' group spans both ranks
+        zero_cache.initialize(model=model, config=ds_config(3, 1), dp_group=pairs[rank], param_groups=[
+            {"params": dense}, {"params": list(model.experts.parameters()), "dp_group": dist.group.WORLD}])
+    except zero_cache.ZeroConfigError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_a_shard_group_outside_the_engine_group_is_one_error():
+    for message in run_distributed(_outside_worker, 2):
+        assert "param_groups[1]'s dp_group holds ranks" in message and "outside the engine's dp_group" in message
