@@ -13,8 +13,12 @@ from megatron.core.optimizer.config import OptimizerConfig
 from megatron.core.transformer_config import TransformerConfig
 from megatron.data.config import DataConfig
 from megatron.tokenizer.config import TokenizerConfig
+from megatron.training.attention_backend import ATTENTION_BACKENDS
+from megatron.training.batch_schedule import BatchSchedule
 from megatron.training.checkpoint.config import CheckpointConfig
+from megatron.training.housekeeping import HousekeepingConfig
 from megatron.training.lr_scheduler import SchedulerConfig
+from megatron.training.train_log import LogConfig
 from zero_cache.config import ZeroCacheConfig
 
 FlagValue = int | float | str | bool | None
@@ -60,11 +64,14 @@ class ModelConfig:
     recompute_num_layers: int = 1  # layers per recompute chunk (uniform) or recomputed layers per stage (block)
     seed: int = 1234  # weights are initialised from (seed, parameter name)
     gradient_accumulation_fusion: bool = True  # linear/embedding layers add weight gradients into the buffers
+    attention_backend: str = "auto"  # scaled_dot_product_attention's kernel (attention_backend.py); not the model's
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(self, name)})")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"--attention-backend {self.attention_backend!r}: choose one of {ATTENTION_BACKENDS}")
         # TransformerConfig checks the shape now, so a bad one fails before start-up; no check reads the vocabulary.
         self.transformer_config(vocab_size=1, tensor_model_parallel_size=1)
 
@@ -97,6 +104,8 @@ class ParallelConfig:
     global_batch_size: int  # samples per optimizer step, over all data-parallel ranks
     distributed_backend: str | None  # nccl | gloo; None: nccl when CUDA is available, else gloo
     distributed_timeout_minutes: float  # how long a collective may wait for its peers
+    # --rampup-batch-size / --step-batch-size-schedule; None: every step takes global_batch_size samples
+    batch_schedule: BatchSchedule | None = None
 
     def __post_init__(self):
         if self.micro_batch_size <= 0:
@@ -107,16 +116,31 @@ class ParallelConfig:
                 f"--global-batch-size {self.global_batch_size} is not divisible by --micro-batch-size "
                 f"{self.micro_batch_size} x data-parallel size {self.data_parallel_size} = {per_step}; "
                 f"use a multiple of {per_step}")
+        # Checked for every size now rather than when the schedule reaches it, hours into the run.
+        bad = [size for size in self.schedule.sizes() if size % per_step]
+        if bad:
+            raise ValueError(
+                f"the batch-size schedule reaches global batch size {bad[0]}, not divisible by --micro-batch-size "
+                f"{self.micro_batch_size} x data-parallel size {self.data_parallel_size} = {per_step}; make every "
+                f"size of --rampup-batch-size / --step-batch-size-schedule a multiple of {per_step}")
+
+    @property
+    def schedule(self) -> BatchSchedule:
+        return self.batch_schedule or BatchSchedule(self.global_batch_size)
 
     @property
     def num_microbatches(self) -> int:
+        """Micro-batches of a step of the full global batch size."""
         return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
+
+    def microbatches(self, global_batch_size: int) -> int:
+        return global_batch_size // (self.micro_batch_size * self.data_parallel_size)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """How long to train, when to evaluate and log."""
-    train_iters: int  # optimizer steps to train for
+    train_iters: int  # optimizer steps to train for (resolved from --train-iters / -samples / -tokens)
     eval_interval: int  # iterations between evaluations on the validation split
     eval_iters: int  # batches per evaluation (0: no evaluation)
     log_interval: int  # iterations between log lines
@@ -136,14 +160,27 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class DeepSpeedFlags:
-    """``--deepspeed``: train through the zero_cache engine, configured by a DeepSpeed-style JSON file."""
+    """How model states are sharded: ``--deepspeed`` trains through the zero_cache engine configured by a
+    DeepSpeed-style JSON; ``--use-distributed-optimizer`` is Megatron's sharded optimizer, here ZeRO-1 through
+    the same engine; neither: Megatron DDP."""
     enabled: bool  # --deepspeed
     config_path: str | None  # --deepspeed_config: the JSON file
     zero_stage: int | None  # --zero-stage: overrides zero_optimization.stage of the JSON (None: keep it)
+    distributed_optimizer: bool = False  # --use-distributed-optimizer
 
     def __post_init__(self):
         if self.enabled and not self.config_path:
             raise ValueError("--deepspeed needs --deepspeed_config FILE (a DeepSpeed-style JSON)")
+        # Megatron-DeepSpeed ignores a config given without --deepspeed and trains plain data-parallel, which
+        # is never what the command line asked for.
+        if not self.enabled and self.config_path:
+            raise ValueError(f"--deepspeed_config {self.config_path} without --deepspeed would be ignored and the run "
+                             "would train plain data-parallel; add --deepspeed to train through zero_cache, or drop "
+                             "--deepspeed_config")
+        if not self.enabled and self.zero_stage:
+            raise ValueError(f"--zero-stage {self.zero_stage} without --deepspeed would be ignored and the run would "
+                             "train plain data-parallel; add --deepspeed --deepspeed_config FILE, use "
+                             "--use-distributed-optimizer (ZeRO-1), or drop --zero-stage")
         if self.config_path and not os.path.isfile(self.config_path):
             what = "a directory; give the JSON file" if os.path.isdir(self.config_path) else "no such file"
             raise ValueError(f"--deepspeed_config {self.config_path}: {what}")
@@ -161,13 +198,17 @@ class Config:
     tokenizer: TokenizerConfig
     checkpoint: CheckpointConfig
     deepspeed: DeepSpeedFlags
-    # --deepspeed: the engine's config, the JSON merged with the flags and parsed once (zero_config.py); else None
+    log: LogConfig = LogConfig()
+    housekeeping: HousekeepingConfig = HousekeepingConfig()
+    # The zero_cache engine's config (zero_config.py): --deepspeed's JSON merged with the flags and parsed once,
+    # or ZeRO-1 for --use-distributed-optimizer; None: Megatron DDP (also --deepspeed with ZeRO stage 0)
     zero_cache: ZeroCacheConfig | None = None
     flags: tuple[tuple[str, FlagValue], ...] = ()  # every scalar flag by Megatron name, as resolved by parse_args
 
     def __post_init__(self):
-        if self.deepspeed.enabled != (self.zero_cache is not None):
-            raise ValueError("Config.zero_cache is the parsed --deepspeed_config: given exactly when --deepspeed is")
+        if self.zero_cache is not None and not (self.deepspeed.enabled or self.deepspeed.distributed_optimizer):
+            raise ValueError("Config.zero_cache is the engine's config: only with --deepspeed or "
+                             "--use-distributed-optimizer")
 
     def to_megatron_args(self, model: TransformerConfig, vocab_size: int | None = None) -> dict[str, FlagValue]:
         """The plain ``args`` dict stored in checkpoints (Megatron's names), as the conversion tools read it:

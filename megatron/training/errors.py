@@ -1,8 +1,9 @@
 """The trainer's failures as an exit code and one line on stderr, so the first cause is not buried.
 
 - Bad input (flags, configs, data, checkpoints, the SSD tier): ``<prog>: error: <message>``, exit code 2. When
-  every rank hits the same error, only the first rank to report it prints (they agree through the job's store),
-  and the others exit a moment later, so torchrun cannot stop it before its line is out.
+  every rank hits the same error, only the first rank to report it prints (they agree through the job's store;
+  before it exists, as for bad flags, rank 0 prints), and the others exit a moment later, so torchrun cannot
+  stop it before its line is out; stopped by torchrun meanwhile (SIGTERM), they too exit 2, silently.
 - A collective that fails because another rank died or stopped answering:
   ``rank R: stopping: another rank failed (<exception type>)``, exit code 1, a moment after the failing rank
   (so torchrun and the launcher see that one first). Its own output holds the cause; a traceback here would only
@@ -14,10 +15,13 @@ its code.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
+import signal
 import sys
+import threading
 import time
 from typing import Callable, NoReturn, TypeVar
 
@@ -26,6 +30,8 @@ import torch.distributed as dist
 from megatron.core.parallel_state import ParallelConfigError
 from megatron.data.errors import DataError, OtherRankDataError
 from megatron.training.arguments import ConfigError
+from megatron.training.attention_backend import AttentionBackendError
+from megatron.training.lr_scheduler import SchedulerMismatchError
 from zero_cache import SSDTierError, ZeroConfigError
 from zero_cache.checkpoint import CheckpointError
 
@@ -33,7 +39,8 @@ T = TypeVar("T")
 
 EXIT_BAD_INPUT = 2
 EXIT_OTHER_RANK_FAILED = 1
-USER_ERRORS = (ConfigError, ParallelConfigError, CheckpointError, SSDTierError, ZeroConfigError, DataError)
+USER_ERRORS = (ConfigError, ParallelConfigError, CheckpointError, SSDTierError, ZeroConfigError, DataError,
+               SchedulerMismatchError, AttentionBackendError)
 # What gloo, NCCL and the c10d store say when the peer at the other end of a collective is gone or silent.
 _PEER_LOST_RE = re.compile(
     r"connection (closed|reset) by peer|broken pipe|connection refused|socket timeout|timed out|timeout|"
@@ -44,6 +51,7 @@ _STORE_TIMEOUT = datetime.timedelta(seconds=10)
 # torchrun names the first rank it sees exit as the root cause, with a resolution of its 0.1 s poll (and
 # timestamps of a second): a rank stopped by another one's failure leaves a little later, so that is the cause.
 OTHER_RANK_EXIT_DELAY_S = 2.0
+PEERS_WAIT_S = 1.5  # below OTHER_RANK_EXIT_DELAY_S: the reporting rank still leaves first
 
 
 def rank() -> int:
@@ -67,16 +75,45 @@ def one_line(exc: BaseException) -> str:
     return " ".join(part.strip() for part in str(exc).splitlines() if part.strip()) or type(exc).__name__
 
 
-def _first_to_report() -> bool:
-    """True on exactly one rank of the job (the first to ask); rank 0 decides when there is no job store yet."""
-    if not (dist.is_available() and dist.is_initialized()):
+def _job_store():
+    """The job's key-value store: the process group's, or before it exists (bad flags) torchrun's agent store,
+    which every rank of a torchrun job reaches; None elsewhere."""
+    try:
+        if dist.is_available() and dist.is_initialized():
+            store = dist.distributed_c10d._get_default_store()
+        elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_PORT" in os.environ:
+            store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
+                                  is_master=False, timeout=_STORE_TIMEOUT)
+        else:
+            return None
+        store.set_timeout(_STORE_TIMEOUT)
+        return store
+    except Exception:  # the store went with the rank (or agent) that hosted it
+        return None
+
+
+def _first_to_report(store) -> bool:
+    """True on exactly one rank of the job (the first to ask); rank 0 decides when there is no job store."""
+    if store is None:
         return rank() == 0
     try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set_timeout(_STORE_TIMEOUT)
         return store.add(_REPORTED_KEY, 1) == 1
     except Exception:  # the store went with the rank that hosted it: report rather than stay silent
         return True
+
+
+def _wait_for_the_others(store) -> None:
+    """Until every rank of the job has hit the error too (each counted in ``_first_to_report``), for at most
+    ``PEERS_WAIT_S``: once this rank exits torchrun stops the others, and one stopped before it got here would
+    leave by the signal instead of with exit code 2."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else \
+        int(os.environ.get("WORLD_SIZE", "1"))
+    deadline = time.monotonic() + PEERS_WAIT_S
+    try:
+        while store is not None and store.add(_REPORTED_KEY, 0) < world and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except Exception:
+        pass
 
 
 def _print(line: str) -> None:
@@ -94,16 +131,37 @@ def _leave_process_group() -> None:
             pass
 
 
+@contextlib.contextmanager
+def _terminated_exits_with(code: int):
+    """Within: SIGTERM (torchrun stopping the job once the reporting rank has exited) leaves with ``code``."""
+    def leave(signum, frame):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, leave)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_trainer(train: Callable[[], T], prog: str = "pretrain_gpt.py") -> T:
     """``train()``, with bad input turned into SystemExit(2) and another rank's failure into SystemExit(1)."""
     try:
         return train()
     except USER_ERRORS as exc:
-        if _first_to_report():
-            _print(f"{prog}: error: {one_line(exc)}")
-        else:  # leave after the rank that prints: torchrun stops the others once the first rank has exited
-            time.sleep(OTHER_RANK_EXIT_DELAY_S)
-        _leave_process_group()
+        # This process only leaves from here on, so a stop by torchrun is this exit too (before it is counted).
+        with _terminated_exits_with(EXIT_BAD_INPUT):
+            store = _job_store()
+            if _first_to_report(store):
+                _print(f"{prog}: error: {one_line(exc)}")
+                _wait_for_the_others(store)
+            else:  # leave after the rank that prints: torchrun stops the others once the first rank has exited
+                time.sleep(OTHER_RANK_EXIT_DELAY_S)
+            _leave_process_group()
         raise SystemExit(EXIT_BAD_INPUT) from None
     except Exception as exc:
         if not is_other_rank_failure(exc):

@@ -19,11 +19,13 @@ from megatron.core.pipeline_parallel import p2p_communication as p2p
 from megatron.core.pipeline_parallel.schedules import ForwardStepFunc, forward_backward
 from megatron.data import build_pretraining_data_loader
 from megatron.tokenizer import build_tokenizer
+from megatron.training.attention_backend import attention_backend
 from megatron.training.backends import build_backend, build_model
 from megatron.training.backends.base import Backend, BackendStepResult
 from megatron.training.checkpoint.manager import CheckpointManager
 from megatron.training.config import Config, ConfigError
 from megatron.training.exit_conditions import ExitConditions
+from megatron.training.housekeeping import Housekeeping
 from megatron.training.initialize import initialize_distributed, set_random_seed
 from megatron.training.lr_scheduler import OptimizerParamScheduler
 from megatron.training.train_log import TrainLogger
@@ -33,6 +35,7 @@ from megatron.training.train_log import TrainLogger
 class TrainResult:
     iteration: int
     losses: dict[int, float] = field(default_factory=dict)  # iteration -> DP-averaged lm loss (last stage only)
+    lrs: dict[int, float] = field(default_factory=dict)  # iteration -> the learning rate it trained at
     skipped_iterations: list[int] = field(default_factory=list)  # fp16 overflow / non-finite grad norm
     loss_scales: dict[int, float] = field(default_factory=dict)
     model: torch.nn.Module | None = None
@@ -40,10 +43,10 @@ class TrainResult:
 
 
 def num_samples(cfg: Config) -> tuple[int, int, int]:
-    """Samples each split must provide (Megatron's formulas)."""
+    """Samples each split must provide (Megatron's formulas; training follows the batch-size schedule)."""
     t, gbs = cfg.train, cfg.parallel.global_batch_size
     evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters > 0 else 0
-    return t.train_iters * gbs, evals * gbs, t.eval_iters * gbs
+    return cfg.parallel.schedule.samples_after(t.train_iters), evals * gbs, t.eval_iters * gbs
 
 
 def _cyclic(loader):
@@ -98,7 +101,10 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
         raise ConfigError(str(e)) from None
     model_cfg = cfg.model.transformer_config(tokenizer.vocab_size, cfg.parallel.tensor_model_parallel_size)
     # The zero_cache engine keeps fp32 masters itself and casts the compute copies: give it an fp32 model.
-    build_cfg = dataclasses.replace(model_cfg, precision="fp32") if cfg.deepspeed.enabled else model_cfg
+    build_cfg = dataclasses.replace(model_cfg, precision="fp32") if cfg.zero_cache is not None else model_cfg
+    # Checked before the model is built: a kernel that does not exist here is one line, not a failed first step.
+    attention = attention_backend(cfg.model.attention_backend, device, model_cfg.params_dtype,
+                                  model_cfg.kv_channels)
     model = build_model(cfg, model_provider, build_cfg, rng_tracker, device)
     backend = build_backend(cfg, model)
     scheduler = OptimizerParamScheduler(backend.optimizer, cfg.scheduler)
@@ -130,7 +136,8 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
     logger = TrainLogger(train_iters=t.train_iters, global_batch_size=par.global_batch_size,
                          seq_length=model_cfg.seq_length, flops_per_token=model_cfg.flops_per_token(),
                          world_size=dist.get_world_size(), device=device, tensorboard_dir=t.tensorboard_dir,
-                         is_logging_rank=dist.get_rank() == dist.get_world_size() - 1)
+                         is_logging_rank=dist.get_rank() == dist.get_world_size() - 1, log=cfg.log,
+                         run_config=dict(cfg.flags))
     if logger.is_logging_rank:
         print(f"> model: {model_cfg.num_parameters() / 1e6:.2f}M parameters, mesh TP={par.tensor_model_parallel_size} "
               f"PP={par.pipeline_model_parallel_size} DP={par.data_parallel_size}, {par.num_microbatches} "
@@ -138,48 +145,57 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
     ck = cfg.checkpoint
     exits = ExitConditions(signal_handler=t.exit_signal_handler, duration_mins=t.exit_duration_in_mins,
                            save_interval_mins=ck.save_interval_minutes, group=checkpoints.group)
+    housekeeping = Housekeeping(cfg.housekeeping, device, dist.get_rank())
     result = TrainResult(iteration=iteration, model=model, backend=backend)
     backend.model.train()
     last_grad_norm = None
     saved_at = None  # the iteration of the last save
-    while iteration < t.train_iters:
-        lr = scheduler.get_lr()
-        loss, step = train_step(backend, forward_step_func, train_iter, spec, par.num_microbatches, lr,
-                                before_update=checkpoints.wait_before_update)
-        if step.update_successful:
-            scheduler.step(1)
-        iteration += 1
-        consumed += par.global_batch_size
-        if loss is not None:
-            result.losses[iteration] = loss
-        if not step.update_successful:
-            result.skipped_iterations.append(iteration)
-        result.loss_scales[iteration] = step.loss_scale
-        logger.record(loss, not step.update_successful)
-        last_grad_norm = step.grad_norm if step.grad_norm is not None else last_grad_norm
-        if iteration % t.log_interval == 0:
-            logger.log(iteration, consumed, lr, step.loss_scale, last_grad_norm,
-                       backend.memory_tiers(), comm=backend.comm_stats())
-        if valid_iter is not None and iteration % t.eval_interval == 0:
-            logger.log_eval(iteration, evaluate(backend, forward_step_func, valid_iter, spec,
-                                                par.num_microbatches, t.eval_iters))
-        decision = exits.check(checkpoints.minutes_since_save())
-        if ck.save and (decision.save or (ck.save_interval and iteration % ck.save_interval == 0)):
-            checkpoints.save(iteration, consumed)
-            saved_at = iteration
-        if decision.stop:
-            if logger.is_logging_rank:
-                saved = f"after saving it to {ck.save}" if ck.save else "without a checkpoint (no --save)"
-                print(f"> {decision.reason}: stopping at iteration {iteration} {saved}", flush=True)
-            break
-        if t.exit_interval and iteration % t.exit_interval == 0:
-            break
+    with attention:
+        while iteration < t.train_iters:
+            lr = scheduler.get_lr()
+            batch = par.schedule.global_batch_size(consumed)
+            housekeeping.before_step(iteration)
+            loss, step = train_step(backend, forward_step_func, train_iter, spec, par.microbatches(batch), lr,
+                                    before_update=checkpoints.wait_before_update)
+            if step.update_successful:
+                scheduler.step(batch)  # Megatron's schedule counts samples
+            iteration += 1
+            consumed += batch
+            housekeeping.after_step(iteration)
+            result.lrs[iteration] = lr
+            if loss is not None:
+                result.losses[iteration] = loss
+            if not step.update_successful:
+                result.skipped_iterations.append(iteration)
+            result.loss_scales[iteration] = step.loss_scale
+            logger.record(loss, not step.update_successful, batch)
+            last_grad_norm = step.grad_norm if step.grad_norm is not None else last_grad_norm
+            if iteration % t.log_interval == 0:
+                logger.log(iteration, consumed, lr, step.loss_scale, last_grad_norm,
+                           backend.memory_tiers(), comm=backend.comm_stats())
+            if valid_iter is not None and iteration % t.eval_interval == 0:
+                housekeeping.around_eval()
+                logger.log_eval(iteration, evaluate(backend, forward_step_func, valid_iter, spec,
+                                                    par.num_microbatches, t.eval_iters))
+                housekeeping.around_eval()
+            decision = exits.check(checkpoints.minutes_since_save())
+            if ck.save and (decision.save or (ck.save_interval and iteration % ck.save_interval == 0)):
+                checkpoints.save(iteration, consumed)
+                saved_at = iteration
+            if decision.stop:
+                if logger.is_logging_rank:
+                    saved = f"after saving it to {ck.save}" if ck.save else "without a checkpoint (no --save)"
+                    print(f"> {decision.reason}: stopping at iteration {iteration} {saved}", flush=True)
+                break
+            if t.exit_interval and iteration % t.exit_interval == 0:
+                break
     if ck.save and saved_at != iteration:
         checkpoints.save(iteration, consumed)
     backend.finish()
     checkpoints.finish()
     exits.close()
     logger.close()
+    housekeeping.close()
     result.iteration = iteration
     if any(not math.isfinite(v) for v in result.losses.values()) and logger.is_logging_rank:
         print("WARNING: non-finite losses were seen during training", flush=True)

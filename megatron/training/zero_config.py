@@ -1,10 +1,11 @@
-"""``--deepspeed_config``: the DeepSpeed-style JSON merged with the Megatron flags, parsed once into a typed
-``ZeroCacheConfig`` (by ``parse_args``, where the data-parallel size is known; the ZeRO backend hands the
-result to ``zero_cache.initialize``).
+"""The zero_cache engine's config: ``--deepspeed_config``'s DeepSpeed-style JSON merged with the Megatron flags, or
+ZeRO-1 for ``--use-distributed-optimizer``; parsed once into a typed ``ZeroCacheConfig`` (by ``parse_args``, where
+the data-parallel size is known; the ZeRO backend hands the result to ``zero_cache.initialize``).
 
 The flags fill in, and must agree with, the JSON's batch, precision, clipping and optimizer keys; a key
 that disagrees is one ``ConfigError`` line, as is every error of the engine's own parsing (a
-``ZeroConfigError``, which ``parse_args`` reports the same way).
+``ZeroConfigError``, which ``parse_args`` reports the same way). ZeRO stage 0 (DeepSpeed's "no ZeRO") is
+Megatron DDP: no engine config.
 """
 from __future__ import annotations
 
@@ -33,18 +34,27 @@ def _block(ds: dict, key: str, path: str) -> dict:
     return block
 
 
-def merged_json(flags: DeepSpeedFlags, par: ParallelConfig, o: OptimizerConfig) -> dict:
-    """The JSON file's object with the flags' batch, precision, clipping and optimizer filled in."""
-    path = flags.config_path
-    ds = read_json(path)
+def _trainer_keys(ds: dict, path: str) -> None:
+    """Megatron-DeepSpeed's example JSONs carry keys read by its trainer, not by DeepSpeed's engine."""
+    ds.pop("prescale_gradients", None)  # divide before or after the gradient reduction: the same average
+    curriculum = ds.pop("curriculum_learning", None)
+    if isinstance(curriculum, dict) and curriculum.get("enabled"):
+        raise ConfigError(f"deepspeed config 'curriculum_learning' in {path} is enabled: curriculum learning is not "
+                          "implemented here; set its enabled to false or remove the block")
+
+
+def merged_json(ds: dict, path: str, zero_stage: int | None, par: ParallelConfig, o: OptimizerConfig) -> dict:
+    """The JSON object ``ds`` (from ``path``) with --zero-stage and the flags' batch, precision, clipping and
+    optimizer filled in."""
     if not isinstance(ds, dict):
         raise ConfigError(f"--deepspeed_config {path} must hold a JSON object ({{...}}), got {type(ds).__name__}")
+    _trainer_keys(ds, path)
     _agree(ds, "train_micro_batch_size_per_gpu", par.micro_batch_size, "--micro-batch-size")
     _agree(ds, "gradient_accumulation_steps", par.num_microbatches,
            "--global-batch-size / (--micro-batch-size x data-parallel size)")
     _agree(ds, "train_batch_size", par.global_batch_size, "--global-batch-size")
-    if flags.zero_stage is not None:
-        _block(ds, "zero_optimization", path)["stage"] = flags.zero_stage
+    if zero_stage is not None:
+        _block(ds, "zero_optimization", path)["stage"] = zero_stage
     for key, on in (("bf16", o.bf16), ("fp16", o.fp16)):
         block = _block(ds, key, path)
         if "enabled" in block and not isinstance(block["enabled"], bool):
@@ -76,6 +86,19 @@ def merged_json(flags: DeepSpeedFlags, par: ParallelConfig, o: OptimizerConfig) 
     return ds
 
 
-def zero_cache_config(flags: DeepSpeedFlags, par: ParallelConfig, o: OptimizerConfig) -> ZeroCacheConfig:
-    """The engine's config of this run, its batch sizes resolved against the data-parallel size."""
-    return parse_config(merged_json(flags, par, o), par.data_parallel_size)
+def zero_cache_config(flags: DeepSpeedFlags, par: ParallelConfig, o: OptimizerConfig) -> ZeroCacheConfig | None:
+    """The engine's config of this run, its batch sizes resolved against the data-parallel size; None for
+    Megatron DDP (no --deepspeed nor --use-distributed-optimizer, or ZeRO stage 0)."""
+    if flags.enabled:
+        ds = merged_json(read_json(flags.config_path), flags.config_path, flags.zero_stage, par, o)
+        stage = _block(ds, "zero_optimization", flags.config_path).get("stage")
+        if stage == 0:
+            if flags.distributed_optimizer:
+                raise ConfigError("--use-distributed-optimizer with ZeRO stage 0 (no sharding) in --deepspeed_config / "
+                                  "--zero-stage: drop the flag or use stage 1 or more")
+            return None  # DeepSpeed's stage 0 shards nothing: Megatron DDP does exactly that
+    elif flags.distributed_optimizer:
+        ds = merged_json({"zero_optimization": {"stage": 1}}, "--use-distributed-optimizer", None, par, o)
+    else:
+        return None
+    return parse_config(ds, par.data_parallel_size)

@@ -34,12 +34,12 @@ def _without(argv, flag):
 
 
 @pytest.mark.parametrize("extra, expected", [
-    (["--lr-warmup-iters", "10", "--lr-decay-iters", "10"], "warm-up steps \\(10\\) must be >= 0 and below"),
+    (["--lr-warmup-iters", "10", "--lr-decay-iters", "10"], "warm-up samples \\(80\\) must be >= 0 and below"),
     (["--lr-warmup-iters", "2", "--lr-warmup-fraction", "0.1"], "--lr-warmup-iters and --lr-warmup-fraction are "
                                                                 "exclusive"),
     (["--lr-warmup-fraction", "1.5"], "--lr-warmup-fraction must be in"),
     (["--weight-decay-incr-style", "linear"], "needs both --start-weight-decay and --end-weight-decay"),
-    (["--lr-decay-iters", "0"], "--lr-decay-iters must be > 0"),
+    (["--lr-decay-iters", "0"], "decay length must be > 0 samples"),
 ])
 def test_bad_schedule_fails_in_parse_args(extra, expected):
     with pytest.raises(ConfigError, match=expected):
@@ -123,7 +123,7 @@ def test_configs_are_frozen_dataclasses_without_a_namespace():
     values = list(_configs(cfg))
     assert not [p for p, v in values if isinstance(v, argparse.Namespace)]
     nested = [(p, v) for p, v in values if dataclasses.is_dataclass(v)]
-    assert len(nested) == 10  # Config and its nine configs
+    assert len(nested) == 12  # Config and its eleven configs
     assert all(v.__dataclass_params__.frozen for _, v in nested), [p for p, v in nested]
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.parallel.micro_batch_size = 4
@@ -134,7 +134,8 @@ def test_resolved_values():
                                  "--checkpoint-activations", "--bf16"], world_size=4)
     assert (cfg.parallel.data_parallel_size, cfg.parallel.num_microbatches) == (2, 2)
     s = cfg.scheduler
-    assert (s.lr_warmup_steps, s.lr_decay_steps, s.wd_incr_steps, s.lr_decay_style) == (3, 10, 10, "cosine")
+    # in samples, as Megatron counts them: iterations x the global batch of 8
+    assert (s.lr_warmup_steps, s.lr_decay_steps, s.wd_incr_steps, s.lr_decay_style) == (24, 80, 80, "cosine")
     assert (s.max_lr, s.min_lr, s.start_wd, s.end_wd) == (5e-3, 5e-4, 0.1, 0.1)
     assert (cfg.model.precision, cfg.model.recompute_granularity) == ("bf16", "full")
     assert cfg.optimizer.bf16 and not cfg.deepspeed.enabled

@@ -1,6 +1,5 @@
 """OptimizerParamScheduler: Megatron's closed-form lr / weight-decay schedules, checkpointing, flags."""
 import argparse
-import logging
 import math
 
 import pytest
@@ -9,7 +8,7 @@ import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.training.arguments.optimizer import add_optimizer_args
 from megatron.training.arguments.scheduler import add_scheduler_args, scheduler_config_from_args
-from megatron.training.lr_scheduler import OptimizerParamScheduler, SchedulerConfig
+from megatron.training.lr_scheduler import OptimizerParamScheduler, SchedulerConfig, SchedulerMismatchError
 
 MAX_LR, MIN_LR, INIT_LR, WARMUP, DECAY = 1e-3, 1e-4, 1e-5, 10, 110
 
@@ -79,7 +78,7 @@ def test_weight_decay_increment(style):
     assert sched.get_wd() == 0.2
 
 
-def test_state_dict_resumes_and_checkpoint_settings_win(caplog):
+def test_state_dict_resumes_and_a_different_schedule_needs_a_choice():
     sched = _scheduler("cosine")
     sched.step(42)
     state = sched.state_dict()
@@ -88,20 +87,34 @@ def test_state_dict_resumes_and_checkpoint_settings_win(caplog):
     assert resumed.num_steps == 42 and resumed.get_lr() == sched.get_lr()
     assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(sched.get_lr())
 
-    changed = _scheduler("linear", max_lr=2e-3)
-    with caplog.at_level(logging.WARNING):
-        changed.load_state_dict(state)
-    assert changed.config.max_lr == MAX_LR and changed.config.lr_decay_style == "cosine"
-    assert "max_lr" in caplog.text and "lr_decay_style" in caplog.text
-    assert changed.get_lr() == pytest.approx(sched.get_lr())
+    # Megatron's rule: neither flag -> an error naming both values and both flags.
+    with pytest.raises(SchedulerMismatchError) as e:
+        _scheduler("linear", max_lr=2e-3).load_state_dict(state)
+    message = str(e.value)
+    assert "max_lr 0.001 in the checkpoint, 0.002 from the flags (--lr)" in message
+    assert "lr_decay_style 'cosine' in the checkpoint, 'linear' from the flags" in message
+    assert "--override-opt_param-scheduler" in message and "--use-checkpoint-opt_param-scheduler" in message
+
+    taken = _scheduler("linear", max_lr=2e-3, use_checkpoint_opt_param_scheduler=True)
+    taken.load_state_dict(state)
+    assert taken.config.max_lr == MAX_LR and taken.config.lr_decay_style == "cosine"
+    assert taken.get_lr() == pytest.approx(sched.get_lr())
 
     kept = _scheduler("linear", max_lr=2e-3, override_opt_param_scheduler=True)
     kept.load_state_dict(state)
     assert kept.config.max_lr == 2e-3 and kept.config.lr_decay_style == "linear" and kept.num_steps == 42
 
 
+def test_a_constant_weight_decay_ignores_its_length():
+    """A longer run moves the weight-decay increment length, which a constant weight decay does not read."""
+    state = _scheduler("cosine").state_dict()
+    longer = _scheduler("cosine", wd_incr_steps=2 * DECAY)
+    longer.load_state_dict(state)
+    assert longer.config.wd_incr_steps == 2 * DECAY
+
+
 def test_bad_schedules_are_rejected():
-    with pytest.raises(ValueError, match="warm-up steps"):
+    with pytest.raises(ValueError, match="warm-up samples"):
         _scheduler("linear", lr_warmup_steps=DECAY)
     with pytest.raises(ValueError, match="lr-decay-style"):
         _scheduler("exponential")
@@ -116,29 +129,42 @@ def _parse(argv):
     return parser.parse_args(["--lr", "1e-3", "--min-lr", "1e-4"] + argv)
 
 
-def _scheduler_from_args(argv, train_iters):
-    return OptimizerParamScheduler(_optimizer(), scheduler_config_from_args(_parse(argv), train_iters))
+def _scheduler_from_args(argv, train_samples, global_batch_size=1, seq_length=1):
+    return OptimizerParamScheduler(_optimizer(), scheduler_config_from_args(_parse(argv), train_samples,
+                                                                             global_batch_size, seq_length))
 
 
 def test_scheduler_from_args():
-    sched = _scheduler_from_args(["--lr-warmup-fraction", "0.1", "--lr-decay-style", "cosine"], train_iters=200)
+    sched = _scheduler_from_args(["--lr-warmup-fraction", "0.1", "--lr-decay-style", "cosine"], 200)
     c = sched.config
     assert (c.lr_warmup_steps, c.lr_decay_steps, c.lr_decay_style) == (20, 200, "cosine")
     assert c.start_wd == c.end_wd == 0.01 and c.wd_incr_steps == 200
 
     sched = _scheduler_from_args(["--lr-warmup-iters", "5", "--lr-decay-iters", "50", "--weight-decay-incr-style",
                                   "linear", "--start-weight-decay", "0.0", "--end-weight-decay", "0.1"],
-                                 train_iters=100)
+                                 100)
     c = sched.config
     assert (c.lr_warmup_steps, c.lr_decay_steps, c.end_wd, c.wd_incr_style) == (5, 50, 0.1, "linear")
     sched.step(50)
     assert sched.get_lr() == pytest.approx(1e-4) and sched.get_wd() == pytest.approx(0.05)
 
+    # Megatron's unit is the sample: iterations count global batches, tokens count --seq-length each.
+    c = _scheduler_from_args(["--lr-warmup-iters", "5", "--lr-decay-tokens", "3200"], 1000, global_batch_size=8,
+                             seq_length=16).config
+    assert (c.lr_warmup_steps, c.lr_decay_steps, c.wd_incr_steps) == (40, 200, 1000)
+    c = _scheduler_from_args(["--lr-warmup-samples", "30", "--lr-decay-samples", "300"], 1000, 8, 16).config
+    assert (c.lr_warmup_steps, c.lr_decay_steps) == (30, 300)
+
 
 def test_scheduler_from_args_errors():
     with pytest.raises(ValueError, match="exclusive"):
-        scheduler_config_from_args(_parse(["--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"]), 100)
+        scheduler_config_from_args(_parse(["--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"]), 100, 1, 1)
     with pytest.raises(ValueError, match="needs both"):
-        scheduler_config_from_args(_parse(["--weight-decay-incr-style", "cosine"]), 100)
+        scheduler_config_from_args(_parse(["--weight-decay-incr-style", "cosine"]), 100, 1, 1)
     with pytest.raises(ValueError, match="incr-style linear or cosine"):
-        scheduler_config_from_args(_parse(["--end-weight-decay", "0.1"]), 100)
+        scheduler_config_from_args(_parse(["--end-weight-decay", "0.1"]), 100, 1, 1)
+    with pytest.raises(ValueError, match="--lr-decay-iters and --lr-decay-samples are exclusive"):
+        scheduler_config_from_args(_parse(["--lr-decay-iters", "5", "--lr-decay-samples", "40"]), 100, 8, 1)
+    with pytest.raises(ValueError, match="contradict"):
+        scheduler_config_from_args(_parse(["--override-opt_param-scheduler",
+                                           "--use-checkpoint-opt_param-scheduler"]), 100, 1, 1)

@@ -1,9 +1,18 @@
-"""Checkpoint save/load flags -> ``CheckpointConfig``."""
+"""Checkpoint save/load flags -> ``CheckpointConfig``; ``--use-checkpoint-args`` fills the model flags."""
 from __future__ import annotations
 
 import argparse
 
 from megatron.training.checkpoint.config import CKPT_FORMATS, CheckpointConfig
+from megatron.training.checkpoint.saved_args import saved_args
+
+# The model's shape and design, taken from the checkpoint over the command line (Megatron's forced ones).
+_MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+               "group_query_attention", "kv_channels", "seq_length", "max_position_embeddings",
+               "position_embedding_type", "rotary_base", "normalization", "swiglu", "openai_gelu",
+               "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by")
+# Taken only when the command line leaves them out (as Megatron does for the tokenizer).
+_TOKENIZER_ARGS = ("tokenizer_type", "vocab_size")
 
 
 def add_checkpoint_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -23,7 +32,33 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    help="write checkpoints in the background while training continues (torch_dist)")
     g.add_argument("--save-interval-minutes", type=float, default=None,
                    help="also save when this many minutes passed since the last save (preemptible clusters)")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model's shape from the checkpoint under --load (over the model flags), and its "
+                        "tokenizer unless given")
     return parser
+
+
+def apply_checkpoint_args(args: argparse.Namespace) -> None:
+    """--use-checkpoint-args: the checkpoint's model arguments into ``args``; without a checkpoint under --load
+    the flags stay as given (as in Megatron)."""
+    if not args.use_checkpoint_args:
+        return
+    if not args.load:
+        raise ValueError("--use-checkpoint-args needs --load DIR (the checkpoint to read the arguments from)")
+    saved = saved_args(args.load)
+    if saved is None:
+        return
+    for key in _MODEL_ARGS:
+        if key in saved:
+            setattr(args, key, saved[key])
+    if "add_bias_linear" in saved:
+        args.disable_bias_linear = not saved["add_bias_linear"]
+    if "layernorm_epsilon" in saved:
+        args.norm_epsilon = saved["layernorm_epsilon"]
+    args.use_rotary_position_embeddings = False  # the checkpoint's position_embedding_type decides
+    for key in _TOKENIZER_ARGS:
+        if getattr(args, key) is None and saved.get(key) is not None:
+            setattr(args, key, saved[key])
 
 
 def checkpoint_config_from_args(args: argparse.Namespace) -> CheckpointConfig:

@@ -18,6 +18,8 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--data-cache-path", default=None,
                        help="directory for the cached sample indices (default: index-cache/ beside the data)")
     group.add_argument("--mock-data", action="store_true", help="synthetic data; no files needed")
+    group.add_argument("--data-impl", choices=["mmap", "infer", "lazy", "cached"], default="mmap",
+                       help="Megatron-DeepSpeed: the .bin/.idx format; mmap (and infer) only")
     group.add_argument("--num-workers", type=int, default=2, help="data loader worker processes")
     group.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
     group.add_argument("--reset-position-ids", action="store_true", help="positions restart after each eod")
@@ -29,8 +31,12 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def data_config_from_args(args: argparse.Namespace, build_timeout_minutes: float | None = None) -> DataConfig:
     """``build_timeout_minutes``: how long other ranks wait for rank 0 to build the index cache (None or 0:
     DataConfig's default)."""
+    if args.data_impl not in ("mmap", "infer"):
+        raise ValueError(f"--data-impl {args.data_impl}: only the mmap format is read here; use --data-impl mmap "
+                         "(tools/preprocess_data.py writes it)")
     return DataConfig(
-        data_path=parse_blend(args.data_path, "--data-path"), split=args.split,
+        # A script that quotes the value inside an array expansion passes the quotes on; Megatron ignores them.
+        data_path=parse_blend(args.data_path, "--data-path"), split=args.split.strip("'\""),
         train_data_path=parse_blend(args.train_data_path, "--train-data-path"),
         valid_data_path=parse_blend(args.valid_data_path, "--valid-data-path"),
         test_data_path=parse_blend(args.test_data_path, "--test-data-path"),

@@ -8,6 +8,9 @@ from megatron.core.optimizer.config import OptimizerConfig
 
 def add_optimizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("optimizer")
+    g.add_argument("--optimizer", default="adam",
+                   help="adam: AdamW with decoupled weight decay, as Megatron's adam is (sgd and the others are not "
+                        "implemented here)")
     g.add_argument("--lr", type=float, default=None, help="peak learning rate (after warm-up)")
     g.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay")
     g.add_argument("--weight-decay", type=float, default=0.01,
@@ -31,6 +34,9 @@ def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:
     """Reads --fp16/--bf16 of the precision group too."""
     if args.lr is None:
         raise ValueError("--lr is required (the peak learning rate, e.g. --lr 3e-4)")
+    if args.optimizer != "adam":
+        raise ValueError(f"--optimizer {args.optimizer}: only adam (AdamW) is implemented here; drop the flag or use "
+                         "--optimizer adam")
     return OptimizerConfig(
         lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad, fp16=args.fp16,

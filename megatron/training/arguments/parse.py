@@ -1,29 +1,44 @@
 """``parse_args``: the command line -> one frozen ``Config``, validated before anything starts.
 
 Each flag group (a module of this package) maps its flags to its config; this module composes them,
-checks what spans groups (the model on the mesh, the training data, ``--deepspeed`` with the schedule
-and its JSON against the flags) and reports bad input as one ``ConfigError`` line.
+checks what spans groups (the model on the mesh, the training data, the zero_cache engine with the schedule
+and its JSON against the flags) and reports bad input as one ``ConfigError`` line (parser.py: unknown flags
+and malformed values too).
 """
 from __future__ import annotations
 
 import argparse
 import os
 
-from megatron.training.arguments.checkpoint import add_checkpoint_args, checkpoint_config_from_args
+from megatron.training.arguments.checkpoint import (
+    add_checkpoint_args,
+    apply_checkpoint_args,
+    checkpoint_config_from_args,
+)
+from megatron.training.arguments.compat import add_compat_args, check_compat
 from megatron.training.arguments.data import add_data_args, data_config_from_args
 from megatron.training.arguments.deepspeed import add_deepspeed_args, deepspeed_flags_from_args
 from megatron.training.arguments.model import add_model_args, model_config_from_args
 from megatron.training.arguments.optimizer import add_optimizer_args, optimizer_config_from_args
 from megatron.training.arguments.parallel import add_parallel_args, parallel_config_from_args
+from megatron.training.arguments.parser import TrainerArgumentParser
 from megatron.training.arguments.scheduler import add_scheduler_args, scheduler_config_from_args
 from megatron.training.arguments.tokenizer import add_tokenizer_args, tokenizer_config_from_args
-from megatron.training.arguments.train import add_training_args, train_config_from_args
+from megatron.training.arguments.train import (
+    add_training_args,
+    housekeeping_config_from_args,
+    log_config_from_args,
+    train_config_from_args,
+    train_iters_from_args,
+    train_samples_from_args,
+)
 from megatron.training.config import Config, ConfigError, FlagValue, ModelConfig, ParallelConfig
 from megatron.training.zero_config import zero_cache_config
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Pre-train a GPT model (Megatron-LM flags).", allow_abbrev=False)
+    p = TrainerArgumentParser(description="Pre-train a GPT model (Megatron-LM flags; docs/training.md, "
+                                          "docs/megatron-compat.md).")
     add_model_args(p)
     add_parallel_args(p)
     add_training_args(p)
@@ -33,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_checkpoint_args(p)
     add_data_args(p)
     add_tokenizer_args(p)
+    add_compat_args(p)
     return p
 
 
@@ -47,26 +63,43 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
 
 
 def _config(args: argparse.Namespace, world_size: int) -> Config:
-    model = model_config_from_args(args)
+    check_compat(args)
+    apply_checkpoint_args(args)
+    model = model_config_from_args(args)  # first: the batch schedule reads --seq-length
     parallel = parallel_config_from_args(args, world_size)
-    train = train_config_from_args(args)
+    schedule = parallel.schedule
+    train_iters = train_iters_from_args(args, schedule)
+    train = train_config_from_args(args, train_iters)
     _check_model_on_mesh(model, parallel)
     deepspeed = deepspeed_flags_from_args(args)
-    if deepspeed.enabled and (args.start_weight_decay is not None or args.end_weight_decay is not None):
-        raise ValueError("--start-weight-decay/--end-weight-decay are not supported with --deepspeed "
-                         "(the engine uses a constant --weight-decay); drop them")
     if not args.mock_data and not (args.data_path or args.train_data_path):
         raise ValueError("no training data: pass --data-path PREFIX (see tools/preprocess_data.py) "
                          "or --mock-data for synthetic tokens")
     optimizer = optimizer_config_from_args(args)
-    scheduler = scheduler_config_from_args(args, train.train_iters)
+    scheduler = scheduler_config_from_args(args, train_samples_from_args(args, train_iters, parallel.global_batch_size),
+                                           parallel.global_batch_size, model.seq_length)
     data = data_config_from_args(args, build_timeout_minutes=parallel.distributed_timeout_minutes)
     tokenizer, checkpoint = tokenizer_config_from_args(args), checkpoint_config_from_args(args)
+    log, housekeeping = log_config_from_args(args), housekeeping_config_from_args(args)
     # The JSON last, once every flag it is merged with is valid (the data-parallel size included).
-    zero = zero_cache_config(deepspeed, parallel, optimizer) if deepspeed.enabled else None
+    zero = zero_cache_config(deepspeed, parallel, optimizer)
+    if zero is not None:
+        _check_engine(args, parallel)
     return Config(model=model, parallel=parallel, train=train, optimizer=optimizer, scheduler=scheduler, data=data,
-                  tokenizer=tokenizer, checkpoint=checkpoint, deepspeed=deepspeed, zero_cache=zero,
-                  flags=_flags(args, model, parallel))
+                  tokenizer=tokenizer, checkpoint=checkpoint, deepspeed=deepspeed, log=log, housekeeping=housekeeping,
+                  zero_cache=zero, flags=_flags(args, model, parallel, train_iters))
+
+
+def _check_engine(args: argparse.Namespace, parallel: ParallelConfig) -> None:
+    """What the zero_cache engine (--deepspeed with ZeRO stage >= 1, --use-distributed-optimizer) cannot do."""
+    how = "--deepspeed" if args.deepspeed else "--use-distributed-optimizer"
+    if args.start_weight_decay is not None or args.end_weight_decay is not None:
+        raise ValueError(f"--start-weight-decay/--end-weight-decay are not supported with {how} "
+                         "(the engine uses a constant --weight-decay); drop them")
+    if parallel.batch_schedule is not None:
+        raise ValueError(f"--rampup-batch-size / --step-batch-size-schedule with {how}: the engine's gradient "
+                         "accumulation is fixed at start-up; drop the schedule, or train without the engine (no "
+                         f"{how}, or ZeRO stage 0)")
 
 
 def _check_model_on_mesh(model: ModelConfig, parallel: ParallelConfig) -> None:
@@ -79,9 +112,12 @@ def _check_model_on_mesh(model: ModelConfig, parallel: ParallelConfig) -> None:
                          f"--tensor-model-parallel-size {tp}")
 
 
-def _flags(args: argparse.Namespace, model: ModelConfig, parallel: ParallelConfig) -> tuple[tuple[str, FlagValue], ...]:
+def _flags(args: argparse.Namespace, model: ModelConfig, parallel: ParallelConfig,
+           train_iters: int) -> tuple[tuple[str, FlagValue], ...]:
     """The scalar flags by Megatron name, with the values the configs resolved (checkpoints store them)."""
     resolved = dict(vars(args), recompute_granularity=model.recompute_granularity, params_dtype=model.precision,
                     data_parallel_size=parallel.data_parallel_size, global_batch_size=parallel.global_batch_size,
+                    train_iters=train_iters, attention_backend=model.attention_backend,
                     group_query_attention=args.group_query_attention or args.num_query_groups is not None)
-    return tuple((k, v) for k, v in resolved.items() if isinstance(v, (int, float, str, bool, type(None))))
+    return tuple((k, v) for k, v in resolved.items()
+                 if not k.startswith("compat_") and isinstance(v, (int, float, str, bool, type(None))))

@@ -20,6 +20,11 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 
 def tokenizer_config_from_args(args: argparse.Namespace) -> TokenizerConfig:
-    return TokenizerConfig(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
+    # --vocab-file with --merge-file is GPT-2's BPE (Megatron's GPT-3 and Megatron-DeepSpeed's GPT scripts leave
+    # the type out).
+    tokenizer_type = args.tokenizer_type
+    if tokenizer_type is None and args.vocab_file and args.merge_file:
+        tokenizer_type = "GPT2BPETokenizer"
+    return TokenizerConfig(tokenizer_type=tokenizer_type, vocab_file=args.vocab_file,
                            merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
                            vocab_size=args.vocab_size)

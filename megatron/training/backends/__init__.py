@@ -1,5 +1,6 @@
-"""The trainer's backends and the choice between them: the zero_cache engine under ``--deepspeed``
-(``zero.py``), else Megatron's DDP + optimizer (``ddp.py``); both implement ``base.Backend``."""
+"""The trainer's backends and the choice between them: the zero_cache engine when the run has an engine config
+(``--deepspeed`` with ZeRO stage >= 1, ``--use-distributed-optimizer``; ``zero.py``), else Megatron's DDP +
+optimizer (``ddp.py``); both implement ``base.Backend``."""
 from __future__ import annotations
 
 import torch
@@ -11,15 +12,15 @@ from megatron.training.config import Config
 
 
 def build_model(cfg: Config, model_provider, model_cfg, rng_tracker, device: torch.device) -> torch.nn.Module:
-    """The model on ``device``; under --deepspeed it is built without memory and the engine fills it chunk
+    """The model on ``device``; for the engine it is built without memory and the engine fills it chunk
     by chunk (a model bigger than host memory can be trained), see zero.build_lazy_model."""
-    if cfg.deepspeed.enabled:
+    if cfg.zero_cache is not None:
         return build_lazy_model(model_provider, model_cfg, rng_tracker, device)
     return model_provider(model_cfg, rng_tracker).to(device)
 
 
 def build_backend(cfg: Config, model: torch.nn.Module) -> Backend:
-    """The zero_cache engine under --deepspeed, else Megatron's DDP + optimizer."""
-    if cfg.deepspeed.enabled:
+    """The zero_cache engine when the run has its config, else Megatron's DDP + optimizer."""
+    if cfg.zero_cache is not None:
         return ZeroBackend(cfg, model)
     return MegatronBackend(cfg, model)
