@@ -13,6 +13,10 @@
 #   DATA_PATH (preprocessed prefix; default: build the sample corpus)   SAVE_DIR (checkpoints; also resumes)
 #   DS_CONFIG (DeepSpeed-style JSON: trains through the zero_cache engine)   EXTRA_ARGS (appended flags)
 #   PLAN_ARGS (extra memory-planner flags, e.g. "--host-memory-gib 24 --nvme-path /local_nvme")
+#   LOG_INTERVAL EVAL_INTERVAL EVAL_ITERS SAVE_INTERVAL TENSORBOARD_DIR VOCAB_FILE MERGE_FILE TOKENIZER_ARGS
+#   SAMPLE_VOCAB_SIZE OMP_NUM_THREADS; the full table: docs/training.md#examplesstartsh
+# Relative paths in these variables are taken from the directory you run start.sh in (it then works in the
+# checkout); flags inside EXTRA_ARGS, PLAN_ARGS, TOKENIZER_ARGS and LAUNCH_ARGS are passed on as written.
 #
 # Before anything else the memory planner (ptm_planner) checks that SIZE fits this machine: a
 # size that does not is refused with the planner's message (exit 3). Every size but `default` then trains
@@ -20,6 +24,12 @@
 # replaces the config); `default` trains with Megatron DDP as given.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# Paths given in the environment are the caller's: resolve them before moving into the checkout.
+CALLER_DIR="$PWD"
+for var in DATA_PATH SAVE_DIR DS_CONFIG HOSTFILE TENSORBOARD_DIR VOCAB_FILE MERGE_FILE PTM_VENV; do
+  case "${!var:-/}" in /*) ;; *) printf -v "$var" '%s/%s' "$CALLER_DIR" "${!var}" ;; esac
+done
+case "${PTM_PYTHON:-}" in */*) [[ "$PTM_PYTHON" = /* ]] || PTM_PYTHON="$CALLER_DIR/$PTM_PYTHON" ;; esac
 cd "$ROOT"
 
 SIZE="${1:-default}"
@@ -89,8 +99,12 @@ if [ -z "${DATA_PATH:-}" ]; then
   bash examples/prepare_sample_data.sh
   DATA_PATH="data/sample/corpus_text_document"
   DATA_ARGS=(--tokenizer-type GPT2BPETokenizer --vocab-file data/sample/vocab.json --merge-file data/sample/merges.txt)
+elif [ -n "${TOKENIZER_ARGS:-}" ]; then
+  # shellcheck disable=SC2206
+  DATA_ARGS=($TOKENIZER_ARGS)
 else
-  DATA_ARGS=(${TOKENIZER_ARGS:---tokenizer-type GPT2BPETokenizer --vocab-file ${VOCAB_FILE:-vocab.json} --merge-file ${MERGE_FILE:-merges.txt}})
+  DATA_ARGS=(--tokenizer-type GPT2BPETokenizer --vocab-file "${VOCAB_FILE:-$CALLER_DIR/vocab.json}"
+             --merge-file "${MERGE_FILE:-$CALLER_DIR/merges.txt}")
 fi
 
 ARGS=(
@@ -102,7 +116,11 @@ ARGS=(
   --log-interval "${LOG_INTERVAL:-10}" --eval-interval "${EVAL_INTERVAL:-100}" --eval-iters "${EVAL_ITERS:-5}"
   --distributed-backend "$BACKEND" --seed 1234 $PREC
 )
-if [ -n "${SAVE_DIR:-}" ]; then ARGS+=(--save "$SAVE_DIR" --load "$SAVE_DIR" --save-interval "${SAVE_INTERVAL:-100}"); fi
+# A resumed run follows this script's schedule: rerunning with a larger TRAIN_ITERS extends the decay (Megatron-DeepSpeed's
+# scripts pass the same flag).
+if [ -n "${SAVE_DIR:-}" ]; then
+  ARGS+=(--save "$SAVE_DIR" --load "$SAVE_DIR" --save-interval "${SAVE_INTERVAL:-100}" --override-opt_param-scheduler)
+fi
 if [ -n "${DS_CONFIG:-}" ]; then ARGS+=(--deepspeed --deepspeed_config "$DS_CONFIG"); fi
 if [ -n "${TENSORBOARD_DIR:-}" ]; then ARGS+=(--tensorboard-dir "$TENSORBOARD_DIR"); fi
 # shellcheck disable=SC2206

@@ -15,6 +15,8 @@ from ptm_launch.config import DEFAULT_MASTER_PORT, LaunchConfig
 # ssh must fail instead of prompting, and notice a host that went silent (power loss, network).
 SSH_DEFAULT_OPTIONS = ("-o", "BatchMode=yes", "-o", "ServerAliveInterval=10", "-o", "ServerAliveCountMax=3")
 AGENT_PATH = str(Path(node_agent.__file__).resolve())
+# torchrun with preemption that lets the workers save (graceful_torchrun.py); by path: importing it imports torch.
+TORCHRUN_PATH = str(Path(__file__).resolve().with_name("graceful_torchrun.py"))
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ def torchrun_argv(cfg: LaunchConfig, python: str, rdzv: Rendezvous, node_rank: i
                   local_addr: str | None = None, max_restarts: int | None = None) -> list[str]:
     """One node's torchrun. Elastic: c10d rendezvous, node 0 hosts its store, ``local_addr`` is how the others
     reach this node (and orders the nodes: the rendezvous ranks them by it)."""
-    argv = [python, "-u", "-m", "torch.distributed.run", "--nnodes", str(rdzv.nnodes),
+    argv = [python, "-u", TORCHRUN_PATH, "--nnodes", str(rdzv.nnodes),
             "--nproc-per-node", str(nproc)]
     if rdzv.master_addr is None:
         argv.append("--standalone")
@@ -69,9 +71,12 @@ def torchrun_argv(cfg: LaunchConfig, python: str, rdzv: Rendezvous, node_rank: i
     return argv + [cfg.user_script, *cfg.user_args]
 
 
-def agent_argv(python: str, command: list[str], watch_stdin: bool, grace: float, label: str) -> list[str]:
+def agent_argv(cfg: LaunchConfig, python: str, command: list[str], watch_stdin: bool, label: str) -> list[str]:
+    """The node agent around ``command``: it gives the ranks half the launcher's --stop_timeout to stop after a
+    failure, and all of --preempt_timeout to save and stop when the job is preempted."""
     flags = ["--watch-stdin"] if watch_stdin else []
-    return [python, "-u", AGENT_PATH, *flags, "--grace", str(grace), "--label", label, "--", *command]
+    return [python, "-u", AGENT_PATH, *flags, "--grace", str(cfg.stop_timeout / 2), "--preempt-grace",
+            str(cfg.preempt_timeout), "--label", label, "--", *command]
 
 
 def remote_shell_command(cwd: str, exports: dict[str, str], argv: list[str]) -> str:
@@ -121,7 +126,7 @@ def plan_local(cfg: LaunchConfig, python: str, host: str, slots: list[int], tota
     rdzv = Rendezvous(1, cfg.master_addr or "127.0.0.1", cfg.master_port or DEFAULT_MASTER_PORT, elastic) \
         if explicit else Rendezvous(1, None, None, elastic)
     command = torchrun_argv(cfg, python, rdzv, 0, len(slots), max_restarts=max_restarts)
-    argv = agent_argv(python, command, watch_stdin=True, grace=cfg.stop_timeout / 2, label=host)
+    argv = agent_argv(cfg, python, command, watch_stdin=True, label=host)
     env = {**file_env, **visible_devices(slots, total), **torchrun_env(cfg, environ)}
     return [NodeSpec(host, 0, tuple(slots), tuple(argv), env)]
 
@@ -136,8 +141,7 @@ def _node_agents(cfg: LaunchConfig, python: str, selection: dict[str, list[int]]
     for node_rank, host in enumerate(hosts):
         slots = selection[host]
         command = torchrun_argv(cfg, python, rdzv, node_rank, len(slots), local_addr=host, max_restarts=max_restarts)
-        yield node_rank, host, slots, agent_argv(python, command, watch_stdin=watch_stdin,
-                                                 grace=cfg.stop_timeout / 2, label=host)
+        yield node_rank, host, slots, agent_argv(cfg, python, command, watch_stdin=watch_stdin, label=host)
 
 
 def plan_remote(cfg: LaunchConfig, python: str, cwd: str, selection: dict[str, list[int]],

@@ -28,6 +28,7 @@ class LaunchConfig:
     no_python: bool = False
     force_multi: bool = False
     stop_timeout: float = 30.0
+    preempt_timeout: float = 300.0
     max_restarts: int = 0
     rdzv_id: str = ""  # the job's name in torchrun's c10d rendezvous (set by the runner when restarts are on)
 
@@ -69,7 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--force_multi", action="store_true",
                         help="use ssh/pdsh even when only one host is selected")
     parser.add_argument("--stop_timeout", type=float, default=30.0,
-                        help="seconds the other nodes get to stop after a failure or Ctrl-C before they are killed")
+                        help="seconds the other nodes get to stop after a failure (or once --preempt_timeout ran "
+                             "out) before they are killed")
+    parser.add_argument("--preempt_timeout", type=float, default=300.0,
+                        help="seconds the ranks get to finish their step, save and exit after the launcher (or a "
+                             "node) gets SIGTERM / SIGINT, before they are stopped without a save (default 300; "
+                             "docs/fault-tolerance.md#preemption)")
     parser.add_argument("--max_restarts", type=int, default=0,
                         help="restart every rank up to N times when a rank or a node fails (torchrun's elastic agent "
                              "and c10d rendezvous); the script resumes from its checkpoint (pretrain_gpt.py: --save "
@@ -92,8 +98,10 @@ def config_from_args(argv: list[str] | None = None) -> LaunchConfig:
             parser.error(f"--{flag} must be a TCP port 1..65535, got {value}")
     if args.module and args.no_python:
         parser.error("--module and --no_python cannot be combined")
-    if args.stop_timeout <= 0:
-        parser.error(f"--stop_timeout must be positive, got {args.stop_timeout}")
+    for flag in ("stop_timeout", "preempt_timeout"):
+        value = getattr(args, flag)
+        if not 0 < value < float("inf"):
+            parser.error(f"--{flag} must be a positive number of seconds, got {value}")
     if args.max_restarts < 0:
         parser.error(f"--max_restarts must be 0 or more, got {args.max_restarts}")
     if args.launcher == "slurm" and args.hostfile:
@@ -105,4 +113,4 @@ def config_from_args(argv: list[str] | None = None) -> LaunchConfig:
         launcher_args=tuple(os.path.expanduser(arg) for arg in shlex.split(args.launcher_args)),
         ssh_port=args.ssh_port, module=args.module,
         no_python=args.no_python, force_multi=args.force_multi, stop_timeout=args.stop_timeout,
-        max_restarts=args.max_restarts)
+        preempt_timeout=args.preempt_timeout, max_restarts=args.max_restarts)

@@ -53,7 +53,8 @@ def env_files(environ: Mapping[str, str], cwd: Path, home: Path) -> list[Path]:
     if environ.get(ENV_FILE_VAR):
         path = Path(environ[ENV_FILE_VAR])
         if not path.is_file():
-            raise EnvFileError(f"{ENV_FILE_VAR}={path} does not exist; point it at a KEY=VALUE file or unset it")
+            what = "is a directory" if path.is_dir() else "does not exist"
+            raise EnvFileError(f"{ENV_FILE_VAR}={path} {what}; point it at a KEY=VALUE file or unset it")
         return [path]
     candidates = [home / ENV_FILE_NAME, cwd / ENV_FILE_NAME]
     unique = [p for i, p in enumerate(candidates) if p.is_file() and p.resolve() not in
@@ -64,5 +65,11 @@ def env_files(environ: Mapping[str, str], cwd: Path, home: Path) -> list[Path]:
 def env_file_values(environ: Mapping[str, str], cwd: Path, home: Path) -> dict[str, str]:
     values: dict[str, str] = {}
     for path in env_files(environ, cwd, home):
-        values.update(parse_env_file(path.read_text(encoding="utf-8"), str(path)))
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror if isinstance(e, OSError) else f"not UTF-8 text: {e.reason} at byte {e.start}"
+            raise EnvFileError(f"{path}: cannot be read ({reason}); make it a UTF-8 file of KEY=VALUE lines, or "
+                               f"remove it") from None
+        values.update(parse_env_file(text, str(path)))
     return values

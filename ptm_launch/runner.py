@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ptm-launch: up to {cfg.max_restarts} restart(s) of every rank; {checkpoints.resume_note()}",
               file=sys.stderr, flush=True)
     supervisor = Supervisor(nodes, cfg.stop_timeout, restarts=Restarts(cfg.max_restarts, checkpoints),
-                            respawn=lambda left: plan(cfg, os.environ, cwd, home, sys.executable, left))
-    for signum in (signal.SIGINT, signal.SIGTERM):
+                            respawn=lambda left: plan(cfg, os.environ, cwd, home, sys.executable, left),
+                            preempt_timeout=cfg.preempt_timeout)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):  # USR1: ``sbatch --signal=B:USR1@...``
         signal.signal(signum, lambda signum, _frame: supervisor.request_stop(signum))
     return supervisor.run()

@@ -1,9 +1,10 @@
 """Runs one process per node (ssh/pdsh/srun client or local agent), streams their output, and ends the job.
 
 The job ends when every node exits 0, when it fails (the other nodes are stopped, the cause is reported once
-and its exit code is the launcher's), or on Ctrl-C / SIGTERM (every node is stopped). With restarts, a node
-whose torchrun died (killed, or its host unreachable) is started again and rejoins the rendezvous; the node
-hosting the rendezvous store takes every node with it, so then all are started again.
+and its exit code is the launcher's), or on Ctrl-C / SIGTERM: a preemption, passed to every node's agent, whose
+ranks finish their step, save and exit within ``--preempt_timeout`` (exit 0 when all did). With restarts, a
+node whose torchrun died (killed, or its host unreachable) is started again and rejoins the rendezvous; the
+node hosting the rendezvous store takes every node with it, so then all are started again.
 """
 from __future__ import annotations
 
@@ -21,11 +22,15 @@ from typing import Callable, TextIO
 import psutil
 
 from ptm_launch.commands import NodeSpec
+from ptm_launch.node_agent import PREEMPT_LINE
 from ptm_launch.node_output import CauseLine, NodeOutput, RestartRequested, RoundComplete, WorkerFailed
 from ptm_launch.restarts import Failure, Restarts, cause_of
 
 _POLL_S = 0.1
 _KILL_WAIT_S = 5.0
+# A second signal this soon after the first is a copy of it (a wrapper passing it on as well), not a second try.
+SAME_SIGNAL_S = 1.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # what the agents pass on to the ranks
 EXIT_BAD_INPUT = 2  # a rank's verdict on its input (megatron/training/errors.py, argparse): a restart repeats it
 
 
@@ -82,6 +87,18 @@ class _Node:
         except OSError:
             pass
 
+    def request_save(self) -> None:
+        """Preemption: the agent passes it to torchrun's ranks. pdsh does not pass stdin on: ending its session
+        tells the agent that the launcher went away, and it stops torchrun with --stop_timeout's grace."""
+        if not self.spec.stdin_reaches_agent:
+            self.signal_tree(signal.SIGTERM)
+            return
+        try:
+            self.proc.stdin.write(PREEMPT_LINE)
+            self.proc.stdin.flush()
+        except (OSError, ValueError):  # the node is already gone
+            pass
+
     def signal_tree(self, signum: int) -> None:
         """Signal the client and everything under it (pdsh runs its ssh children in other groups)."""
         try:
@@ -115,8 +132,9 @@ class Supervisor:
 
     def __init__(self, specs: list[NodeSpec], stop_timeout: float, out: TextIO = sys.stdout,
                  err: TextIO = sys.stderr, tail_lines: int = 20, restarts: Restarts | None = None,
-                 respawn: Callable[[int], list[NodeSpec]] | None = None):
+                 respawn: Callable[[int], list[NodeSpec]] | None = None, preempt_timeout: float = 300.0):
         self.specs, self.stop_timeout, self.out, self.err, self.tail_lines = specs, stop_timeout, out, err, tail_lines
+        self.preempt_timeout = preempt_timeout
         self.restarts = restarts or Restarts(0)
         self.respawn = respawn
         self.nodes: list[_Node] = []
@@ -124,14 +142,16 @@ class Supervisor:
         self._events: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._stop_signal: int | None = None
+        self._stop_time = 0.0
         self._force = False  # a second signal: kill at once
         self._bad_input: _Node | None = None  # a rank refused its input: the job ends instead of restarting
 
     def request_stop(self, signum: int) -> None:
         """Signal-handler safe: only sets flags."""
+        now = time.monotonic()
         if self._stop_signal is None:
-            self._stop_signal = signum
-        else:
+            self._stop_signal, self._stop_time = signum, now
+        elif now - self._stop_time >= SAME_SIGNAL_S:
             self._force = True
 
     def _say(self, message: str) -> None:
@@ -151,9 +171,7 @@ class Supervisor:
                 return 1
         failed = self._wait()
         if self._stop_signal is not None and failed is None:
-            self._say(f"{signal.Signals(self._stop_signal).name} received; stopping all {len(self.nodes)} node(s)")
-            self._stop_all()
-            return 128 + self._stop_signal
+            return self._preempt()
         if failed is None:
             for node in self.nodes:
                 node.finish_reading()
@@ -326,6 +344,42 @@ class Supervisor:
         elif self.restarts.budget:
             details.append(f"{self.restarts.used} of {self.restarts.budget} restart(s) used")
         self._say(f"job failed: {cause.describe()}" + (f" ({'; '.join(details)})" if details else ""))
+        return cause.exit_status()
+
+    # ---- preemption ----------------------------------------------------------------------------------------
+    def _preempt(self) -> int:
+        """Ctrl-C / SIGTERM: every rank finishes its step, saves and exits; 0 when every node exited 0. The nodes
+        get --preempt_timeout seconds (a second signal cuts it short), then they are stopped without a save."""
+        name = signal.Signals(self._stop_signal).name
+        running = [node for node in self.nodes if node.proc.poll() is None]
+        self._say(f"{name} received: asking every rank to finish its step, save a checkpoint and exit (up to "
+                  f"{self.preempt_timeout:.0f}s, --preempt_timeout; a second signal stops them at once)")
+        for node in running:
+            node.request_save()
+        deadline = time.monotonic() + self.preempt_timeout
+        while not self._force and time.monotonic() < deadline and any(n.proc.poll() is None for n in running):
+            self._handle_events()
+            time.sleep(_POLL_S)
+        left = [node for node in running if node.proc.poll() is None]
+        if left:
+            reason = "interrupted again" if self._force else f"still running after {self.preempt_timeout:.0f}s"
+            self._say(f"{len(left)} node(s) {reason}; stopping them without a save")
+            self._stop_nodes(left)
+        for node in self.nodes:
+            node.finish_reading()
+        self._handle_events()
+        if all(node.proc.returncode == 0 for node in self.nodes):
+            self._say(f"stopped after {name}: every rank finished its step and exited 0 (pretrain_gpt.py "
+                      f"--exit-signal-handler saves before it exits)")
+            return 0
+        cause = cause_of(self._round_failures())
+        if left or cause is None or (cause.exitcode < 0 and -cause.exitcode in STOP_SIGNALS):
+            exits = ", ".join(f"node {n.spec.node_rank} ({n.spec.host}) {n.proc.returncode}" for n in self.nodes)
+            self._say(f"stopped by {name} without a clean exit of every rank (exit codes: {exits}; no checkpoint of "
+                      f"this step: pretrain_gpt.py saves on a signal only with --exit-signal-handler)")
+            return 128 + self._stop_signal
+        stated = " (its error is above)" if cause.cause_line else ""
+        self._say(f"stopped after {name}, but {cause.describe()}{stated}")
         return cause.exit_status()
 
     # ---- stopping -------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from ptm_planner.plan import (
     GiB,
     Hardware,
     Plan,
+    Planner,
     Request,
     format_bytes,
     largest_layers,
@@ -127,8 +128,12 @@ def detect_hardware(args: argparse.Namespace) -> Hardware:
     else:
         nvme = psutil.disk_usage(nearest_existing_dir(args.nvme_path)).free
         detected.append("nvme_free")
-    if os.path.exists(args.nvme_path) and not os.path.isdir(args.nvme_path):
-        raise ValueError(f"--nvme-path {args.nvme_path} is a file; give a directory (created if missing)")
+    existing = args.nvme_path  # the path itself, else the ancestor it would be created under
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        where = "" if existing == args.nvme_path else f" ({existing}, where it would be created)"
+        raise ValueError(f"--nvme-path {args.nvme_path}{where} is a file; give a directory (created if missing)")
     cpus = args.cpus or os.cpu_count() or 1
     for name, value in (("--host-memory-gib", host), ("--nvme-free-gib", nvme)):
         if value < 0:
@@ -312,6 +317,30 @@ def summary(p: Plan) -> str:
     return "\n".join(lines)
 
 
+def nothing_fits(r: Request) -> str:
+    """One line for --largest when not even one layer per pipeline stage fits: what that needs with every state
+    on SSD against what the hardware has, and the flags that change either."""
+    smallest = with_layers(r, r.mesh.pp)
+    planner = Planner(smallest)
+    lean = planner.leanest()
+    need = planner.requirements(dataclasses.replace(lean, offload="nvme") if "nvme" in r.offloads else lean)
+    hw = r.hardware
+    rows = [("host memory per node", need["host_memory"], hw.host_memory, "--host-memory-gib"),
+            (f"free disk under {hw.nvme_path}", need["nvme_free"], hw.nvme_free,
+             "--nvme-path (a larger disk) or --nvme-free-gib")]
+    if "device_memory" in need:
+        rows.append(("memory per accelerator", need["device_memory"], hw.device_memory, "--device-memory-gib"))
+    short = [row for row in rows if row[1] > row[2]] or rows[:1]
+    where = "detected here" if hw.detected else "given"
+    return (f"nothing of this family fits: {r.mesh.pp} layer(s) ({_params(smallest.model.num_parameters())} "
+            f"parameters) on {r.mesh.world} processes need "
+            + ", ".join(f"{format_bytes(n)} {what} ({format_bytes(have)} {where})" for what, n, have, _ in short)
+            + "; plan for a machine that has it (" + ", ".join(flag for *_, flag in short)
+            + ("; --device cuda --device-memory-gib for a GPU node" if hw.device == "cpu" else "")
+            + "), or make the model smaller (--hidden-size, --seq-length, --vocab-size) or its shards "
+              "(--tensor-model-parallel-size, fewer --nproc-per-node)")
+
+
 def table(p: Plan) -> str:
     ev, r = p.chosen, p.request
     cpu = r.hardware.device == "cpu"
@@ -386,8 +415,10 @@ def main(argv: list[str] | None = None) -> int:
         request, args = request_from_args(argv)
         if args.largest:
             layers = largest_layers(request)
-            if layers:
-                request = with_layers(request, layers)
+            if not layers:
+                print(f"plan_memory.py: {nothing_fits(request)}", file=sys.stderr)
+                return EXIT_DOES_NOT_FIT
+            request = with_layers(request, layers)
         result = plan(request, layers if args.largest else None)
     except (ValueError, RuntimeError) as e:
         print(f"plan_memory.py: error: {e}", file=sys.stderr)

@@ -337,9 +337,7 @@ class Planner:
                 accounts = [account_states(p, sg, cfg, dtype, self.device, max(budgets[HOST], 0))
                             for p, sg in zip(plans, sgs)]
             except ZeroConfigError:
-                failures.append(f"host memory: the states that must stay on the host exceed "
-                                f"{format_bytes(max(budgets[HOST], 0))} per process even with every optimizer "
-                                f"sub-group and gradient shard the engine can move on SSD")
+                failures.append(self._host_failure(cap, budgets[HOST]))
         stages = [StagePlan(s.stage, s.numel, a, ns) for s, a, ns in zip(self.stages, accounts, nonstate)]
         host_states = max(a.by_tier[HOST] + a.staging for a in accounts)
         disk = max(a.nvme_disk for a in accounts)
@@ -363,6 +361,21 @@ class Planner:
         ev = Evaluation(option, stages, budgets, cap, need, failures)
         ev.config = self.parse(option, {k: max(0, v) for k, v in budgets.items()})[0]
         return ev
+
+    def _host_failure(self, cap: dict[str, int], budget: int) -> str:
+        """Why the states that must stay in host memory do not fit: the room left for them is too small, or
+        what every process needs before any state (activations, gathered parameters, buffers, the states of
+        the device tier, the runtime) already takes all of it."""
+        hw, n = self.request.hardware, self.request.mesh.nproc_per_node
+        room = cap["ram"] if self.cpu else cap[HOST]
+        of = f"({HOST_SHARE:.0%} of {format_bytes(hw.host_memory)}{f' / {n} processes' if n > 1 else ''})"
+        if budget > 0:
+            return (f"host memory: the states that must stay on the host exceed the {format_bytes(budget)} per "
+                    f"process left of {format_bytes(room)} {of}, even with every optimizer sub-group and gradient "
+                    f"shard the engine can move on SSD")
+        before = "activations, gathered parameters, buffers and device-tier states" if self.cpu else "the runtime"
+        return (f"host memory: {before} take {format_bytes(room - budget)} per process before any model state, "
+                f"more than the {format_bytes(room)} a process gets {of}")
 
     def best_rate(self, option: Option) -> Evaluation:
         """The prefetch_cache_sub_group_rate (share of sub-groups on the device): the largest that fits, and with

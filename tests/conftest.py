@@ -21,7 +21,8 @@ SLOWEST_FILES = ("tests/launcher/test_multinode.py", "tests/launcher/test_slurm.
                  "tests/launcher/test_restarts.py", "tests/launcher/test_local_launch.py",
                  "tests/examples/test_start_sh.py", "tests/launcher/test_error_lines.py",
                  "tests/training/test_preemption.py", "tests/tools/test_plan_memory.py",
-                 "tests/data/test_preprocess.py", "tests/training/test_async_save.py")
+                 "tests/data/test_preprocess.py", "tests/training/test_async_save.py",
+                 "tests/launcher/test_preemption.py")
 _SLOW_PROGRAMS = ("python", "bash", "sh", "torchrun", "ssh", "pdsh", "ip")
 _MESSAGE = ("this test starts a process but is not marked @pytest.mark.multiprocess; mark it (module-level "
             "pytestmark for a module of such tests)")

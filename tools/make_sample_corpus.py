@@ -21,6 +21,11 @@ import tokenize
 from pydoc_data.topics import topics
 from typing import Iterator
 
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tools.tool_errors import one_line_errors  # noqa: E402
+
 SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 MIN_COMMENT_BLOCK_CHARS = 80
 MIN_PROSE_FRACTION = 0.75  # letters and spaces among the characters of a comment block
@@ -121,8 +126,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", required=True, help="the JSONL file to write")
     parser.add_argument("--max-mb", type=float, default=None, help="stop after about this many MB")
     args = parser.parse_args(argv)
+    if args.max_mb is not None and not args.max_mb > 0:
+        parser.error(f"--max-mb must be > 0, got {args.max_mb}")
     max_bytes = int(args.max_mb * 1e6) if args.max_mb is not None else None
-    count, size = write_corpus(args.output, max_bytes)
+    with one_line_errors("make_sample_corpus.py", "give an --output path in a writable directory"):
+        count, size = write_corpus(args.output, max_bytes)
     print(f"wrote {args.output}: {count:,} documents, {size / 1e6:.2f} MB of English text from the "
           f"Python {sys.version.split()[0]} standard library")
 

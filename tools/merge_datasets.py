@@ -12,7 +12,11 @@ import argparse
 import os
 import sys
 
-from megatron.data.indexed_dataset import dataset_exists, merge_datasets
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.data.indexed_dataset import dataset_exists, merge_datasets  # noqa: E402
+from tools.tool_errors import one_line_errors  # noqa: E402
 
 
 def input_prefixes(inputs: list[str]) -> list[str]:
@@ -37,12 +41,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--input", nargs="+", required=True, help="dataset prefixes or directories, merged in order")
     parser.add_argument("--output-prefix", required=True, help="prefix of the merged .bin/.idx")
     args = parser.parse_args(argv)
-    try:
+    with one_line_errors("merge_datasets.py", "give existing .bin/.idx prefixes (or directories of them) and an "
+                                              "--output-prefix in a writable directory"):
         prefixes = input_prefixes(args.input)
         os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
         merged = merge_datasets(prefixes, args.output_prefix)
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"merge_datasets.py: error: {e}")
     print(f"merged {len(prefixes)} datasets into {args.output_prefix}: {merged.num_documents:,} documents, "
           f"{len(merged):,} sequences, {int(merged.sizes.sum(dtype='int64')):,} tokens")
 

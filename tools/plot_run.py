@@ -18,6 +18,11 @@ import re
 import sys
 from dataclasses import dataclass, field
 
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tools.tool_errors import one_line_errors  # noqa: E402
+
 # "iteration       10/     100 | key: value | ..." anywhere in the line (launcher prefixes come before it).
 _LINE = re.compile(r"\biteration\s+(\d+)\s*/\s*\d+\s*\|(.*)$")
 _MEM_PREFIX = "mem (GiB) "
@@ -67,19 +72,23 @@ def parse_log(path: str) -> RunLog:
     run = RunLog(path)
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
+            for lineno, line in enumerate(f, 1):
                 m = _LINE.search(line)
                 if m is None:
                     continue
-                values, memory = _fields(m.group(2))
-                if STEP_TIME_KEY not in values:
-                    continue
+                try:
+                    values, memory = _fields(m.group(2))
+                    if STEP_TIME_KEY not in values:
+                        continue
+                    numbers = (int(m.group(1)), float(values[STEP_TIME_KEY]) / 1000.0, _number(values, "lm loss"),
+                               _number(values, "tokens per second"), _number(values, "TFLOPs"))
+                except ValueError as e:
+                    raise LogParseError(f"{path} line {lineno}: a field is not a number ({e}); the log is damaged "
+                                        f"or not pretrain_gpt.py's: fix or drop that line") from None
                 n = len(run.iterations)
-                run.iterations.append(int(m.group(1)))
-                run.step_time_s.append(float(values[STEP_TIME_KEY]) / 1000.0)
-                run.lm_loss.append(_number(values, "lm loss"))
-                run.tokens_per_s.append(_number(values, "tokens per second"))
-                run.tflops.append(_number(values, "TFLOPs"))
+                for series, number in zip((run.iterations, run.step_time_s, run.lm_loss, run.tokens_per_s,
+                                           run.tflops), numbers):
+                    series.append(number)
                 for name in memory.keys() - run.memory_gib.keys():  # a field first seen now: NaN before
                     run.memory_gib[name] = [math.nan] * n
                 for name, series in run.memory_gib.items():
@@ -161,16 +170,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.dpi <= 0:
         parser.error(f"--dpi must be > 0 (got {args.dpi})")
-    try:
+    with one_line_errors("plot_run.py", "give -o a path in a writable directory"):
         runs = [parse_log(p) for p in args.logs]
-    except LogParseError as e:
-        print(f"plot_run.py: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    if args.summary:
-        for run in runs:
-            print(json.dumps(summary(run)))
-        return
-    render(runs, args.output, args.dpi)
+        if args.summary:
+            for run in runs:
+                print(json.dumps(summary(run)))
+            return
+        render(runs, args.output, args.dpi)
     print(f"wrote {args.output} ({len(runs)} log(s), {sum(len(r.iterations) for r in runs)} intervals)")
 
 

@@ -20,16 +20,22 @@ import sys
 import tempfile
 from typing import Iterator
 
-import sentencepiece
-from tokenizers import ByteLevelBPETokenizer
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.data.preprocess.jsonl_reader import expand_inputs, plan_partitions, read_chunks
+import sentencepiece  # noqa: E402
+from tokenizers import ByteLevelBPETokenizer  # noqa: E402
+
+from megatron.data.preprocess.jsonl_reader import expand_inputs, plan_partitions, read_chunks  # noqa: E402
+from tools.tool_errors import one_line_errors  # noqa: E402
 
 EOD_TOKEN = "<|endoftext|>"
 
 
 def iter_texts(patterns: list[str], json_keys: list[str]) -> Iterator[str]:
-    """The ``json_keys`` strings of every line, in input order; malformed lines are errors naming the line."""
+    """The ``json_keys`` strings of every line, in input order; malformed lines are errors naming the line, and
+    so is an input without any text."""
+    found = False
     for segment in plan_partitions(expand_inputs(patterns), 1)[0]:
         for chunk in read_chunks([segment]):
             for i, line in enumerate(chunk.data.split(b"\n")):
@@ -43,7 +49,11 @@ def iter_texts(patterns: list[str], json_keys: list[str]) -> Iterator[str]:
                 for key in json_keys:
                     if not isinstance(record, dict) or not isinstance(record.get(key), str):
                         raise ValueError(f"{where}: key {key!r} missing or not a string (see --json-keys)")
+                    found = found or bool(record[key].strip())
                     yield record[key]
+    if not found:
+        raise ValueError(f"--input {' '.join(patterns)} holds no text under --json-keys {' '.join(json_keys)}; "
+                         f"give JSONL files with documents")
 
 
 def train_bpe(texts: Iterator[str], vocab_size: int, min_frequency: int, output_dir: str) -> list[str]:
@@ -107,9 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.vocab_size < 260:
         parser.error(f"--vocab-size {args.vocab_size} is too small: byte-level vocabularies start at 257")
-    os.makedirs(args.output_dir, exist_ok=True)
-    texts = iter_texts(args.input, args.json_keys)
-    try:
+    with one_line_errors("train_tokenizer.py", "give existing JSONL files and a writable --output-dir", RuntimeError):
+        os.makedirs(args.output_dir, exist_ok=True)
+        texts = iter_texts(args.input, args.json_keys)
         if args.type == "bpe":
             files = train_bpe(texts, args.vocab_size, args.min_frequency, args.output_dir)
             use = (f"--tokenizer-type GPT2BPETokenizer --vocab-file {files[0]} --merge-file {files[1]}  "
@@ -118,8 +128,6 @@ def main(argv: list[str] | None = None) -> None:
             files = train_sentencepiece(texts, args.vocab_size, args.sentencepiece_model_type,
                                         args.max_sentences, args.output_dir)
             use = f"--tokenizer-type GPTSentencePieceTokenizer --tokenizer-model {files[0]}"
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        sys.exit(f"train_tokenizer.py: error: {e}")
     print(f"wrote {', '.join(files)}\nuse with: {use}")
 
 

@@ -1,11 +1,24 @@
 """Megatron's pretraining sampler and the data loader built on it (exact resume from consumed samples)."""
 from __future__ import annotations
 
+import functools
 import multiprocessing
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
+import os
+import signal
+import threading
 from typing import Iterator
 
 import torch
 
+# Signals the trainer's main process handles (megatron/training/exit_conditions.py, Ctrl-C). Slurm and Kubernetes
+# send them to every process of the job: a worker or its forkserver dying of one breaks the loader (a worker's
+# watchdog ends it once its forkserver is gone) just when the preempted trainer must finish its step and save.
+_MAIN_PROCESS_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}
+# A worker must still obey its own trainer's SIGTERM, which needs the sender's pid (Linux; elsewhere workers keep
+# the default dispositions).
+_DEAF_WORKERS = hasattr(signal, "sigwaitinfo")
 # What the data loader's forkserver imports once, before any worker forks from it: without it every worker
 # imports torch and the datasets itself (seconds each), and the first step of a run waits for all of them.
 _WORKER_PRELOAD = ["torch", "megatron.data.gpt_dataset", "megatron.data.blendable_dataset",
@@ -65,7 +78,9 @@ def build_pretraining_data_loader(dataset: torch.utils.data.Dataset | None, cons
                                        generator=torch.Generator().manual_seed(consumed_samples),
                                        pin_memory=torch.cuda.is_available(),
                                        persistent_workers=num_workers > 0,
-                                       multiprocessing_context=_worker_context() if num_workers > 0 else None)
+                                       multiprocessing_context=_worker_context() if num_workers > 0 else None,
+                                       worker_init_fn=functools.partial(_obey_only_the_trainer, os.getpid())
+                                       if _DEAF_WORKERS else None)
 
 
 def _worker_context():
@@ -74,4 +89,33 @@ def _worker_context():
     The server imports torch and the datasets once (a preload takes effect only before it starts)."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(_WORKER_PRELOAD)
+    if _DEAF_WORKERS:
+        _start_forkserver_deaf()
     return ctx
+
+
+def _obey_only_the_trainer(trainer: int, _worker_id: int) -> None:
+    """In a worker, whose trainer's signals are blocked: a SIGTERM the trainer itself sends still ends it
+    (multiprocessing stops its daemon children that way when the trainer exits, and waits for them)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, _MAIN_PROCESS_SIGNALS)  # also where the forkserver predates us
+
+    def wait_for_the_trainer() -> None:
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != trainer:
+            pass
+        os._exit(0)
+
+    threading.Thread(target=wait_for_the_trainer, name="sigterm_from_the_trainer", daemon=True).start()
+
+
+def _start_forkserver_deaf() -> None:
+    """Start the forkserver with the main process's signals blocked: the mask is inherited through its fork and
+    exec and by every worker it forks, so none of them ever gets one. Here they stay pending for the handlers.
+    The resource tracker the forkserver needs is started the same way; it ignores SIGINT and SIGTERM itself and
+    unblocks them on its way out, so they are blocked again before the forkserver starts."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _MAIN_PROCESS_SIGNALS)
+    try:
+        multiprocessing.resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, _MAIN_PROCESS_SIGNALS)
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)

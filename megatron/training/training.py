@@ -24,7 +24,7 @@ from megatron.training.backends import build_backend, build_model
 from megatron.training.backends.base import Backend, BackendStepResult
 from megatron.training.checkpoint.manager import CheckpointManager
 from megatron.training.config import Config, ConfigError
-from megatron.training.exit_conditions import ExitConditions
+from megatron.training.exit_conditions import ExitConditions, ExitSignal
 from megatron.training.housekeeping import Housekeeping
 from megatron.training.initialize import initialize_distributed, set_random_seed
 from megatron.training.lr_scheduler import OptimizerParamScheduler
@@ -93,6 +93,8 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
              forward_step_provider: Callable[..., ForwardStepFunc]) -> TrainResult:
     """Train ``model_provider(model_cfg, rng_tracker)`` on ``datasets_provider(cfg, tokenizer, seq, samples)``,
     one micro-batch at a time through ``forward_step_provider(cfg, tokenizer, device)``."""
+    # First: a SIGTERM / SIGUSR1 during start-up is recorded and ends the run after its first step, saved.
+    exit_signal = ExitSignal() if cfg.train.exit_signal_handler else None
     device = initialize_distributed(cfg.parallel)
     rng_tracker = set_random_seed(cfg.train.seed, device)
     try:
@@ -113,6 +115,8 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
                                     cfg.to_megatron_args(model_cfg, tokenizer.vocab_size), device, timeout)
     iteration, consumed = checkpoints.load()
     if iteration >= cfg.train.train_iters:  # a finished run restarted: its data is used up
+        if exit_signal is not None:
+            exit_signal.restore()
         if dist.get_rank() == 0:
             print(f"> iteration {iteration} of --train-iters {cfg.train.train_iters} is already trained; nothing to do",
                   flush=True)
@@ -143,7 +147,7 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
               f"PP={par.pipeline_model_parallel_size} DP={par.data_parallel_size}, {par.num_microbatches} "
               f"micro-batches of {par.micro_batch_size} per step, starting at iteration {iteration}", flush=True)
     ck = cfg.checkpoint
-    exits = ExitConditions(signal_handler=t.exit_signal_handler, duration_mins=t.exit_duration_in_mins,
+    exits = ExitConditions(signal_handler=exit_signal or False, duration_mins=t.exit_duration_in_mins,
                            save_interval_mins=ck.save_interval_minutes, group=checkpoints.group)
     housekeeping = Housekeeping(cfg.housekeeping, device, dist.get_rank())
     result = TrainResult(iteration=iteration, model=model, backend=backend)

@@ -13,14 +13,16 @@ from pathlib import Path
 
 import psutil
 
+from ptm_launch.commands import TORCHRUN_PATH
+
 REPO = Path(__file__).resolve().parents[2]
 STANDIN = "tests/launcher/standin_train.py"
 _STEP_RE = re.compile(r"step (\d+) loss (\S+)")
 
 
 def is_torchrun(argv: list[str]) -> bool:
-    """Whether ``argv`` is a torchrun that ptm-launch started (``python -u -m torch.distributed.run ...``)."""
-    return argv[1:4] == ["-u", "-m", "torch.distributed.run"]
+    """Whether ``argv`` is a torchrun that ptm-launch started (``python -u .../graceful_torchrun.py ...``)."""
+    return argv[1:3] == ["-u", TORCHRUN_PATH]
 
 
 def launcher_argv(*args: str, netns: str | None = None) -> list[str]:
@@ -71,25 +73,27 @@ class LiveLauncher:
             assert index is not None, f"{text!r} did not appear within {timeout}s; output:\n{self.output}"
             return index
 
-    def _processes(self) -> list[tuple[psutil.Process, dict[str, str], list[str]]]:
-        """(process, environment, argv) of each process under this launcher (on this machine); one that exits
-        while listed is left out."""
+    def _processes(self) -> list[tuple[psutil.Process, dict[str, str], list[str], int]]:
+        """(process, environment, argv, parent pid) of each process under this launcher (on this machine); one
+        that exits while listed is left out."""
         found = []
         for proc in psutil.Process(self.proc.pid).children(recursive=True):
             try:
-                found.append((proc, proc.environ(), proc.cmdline()))
+                found.append((proc, proc.environ(), proc.cmdline(), proc.ppid()))
             except psutil.Error:
                 continue
         return found
 
     def workers(self) -> dict[int, int]:
-        """{global rank: pid} of the training processes under this launcher (on this machine)."""
-        return {int(env["RANK"]): proc.pid for proc, env, argv in self._processes()
-                if "RANK" in env and "torch.distributed.run" not in argv}
+        """{global rank: pid} of the training processes under this launcher (on this machine): torchrun's
+        children (their data-loader workers and forkservers have the same RANK)."""
+        found = self._processes()
+        torchruns = {proc.pid for proc, _, argv, _ in found if is_torchrun(argv)}
+        return {int(env["RANK"]): proc.pid for proc, env, _, parent in found if "RANK" in env and parent in torchruns}
 
     def torchruns(self) -> list[psutil.Process]:
         """The torchrun processes under this launcher (on this machine)."""
-        return [proc for proc, _, argv in self._processes() if is_torchrun(argv)]
+        return [proc for proc, _, argv, _ in self._processes() if is_torchrun(argv)]
 
     def finish(self, timeout: float) -> int:
         """Wait for the launcher to exit; fail (and kill it) if it takes longer than ``timeout``."""

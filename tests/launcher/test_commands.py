@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ptm_launch.commands import AGENT_PATH, remote_shell_command
+from ptm_launch.commands import AGENT_PATH, TORCHRUN_PATH, remote_shell_command
 from ptm_launch.config import config_from_args
 from ptm_launch.env import EnvFileError, env_file_values, forwarded_environ, parse_env_file
 from ptm_launch.hostfile import HostfileError
@@ -37,7 +37,7 @@ def _remote(node) -> tuple[list[str], list[str]]:
 
 
 def _torchrun_flags(words: list[str]) -> dict[str, str]:
-    start = words.index("torch.distributed.run") + 1
+    start = words.index(TORCHRUN_PATH) + 1
     flags = words[start:words.index("train.py")]
     return {flags[i]: flags[i + 1] for i in range(0, len(flags), 2)}
 
@@ -111,7 +111,7 @@ def test_no_hostfile_runs_num_gpus_cpu_processes(tmp_path, monkeypatch):
     (node,) = plan(cfg, {}, tmp_path, tmp_path, sys.executable)
     argv = list(node.argv)
     assert node.host == "localhost" and node.env == {"LOGLEVEL": "INFO"}
-    tail = argv[argv.index("torch.distributed.run") + 1:]
+    tail = argv[argv.index(TORCHRUN_PATH) + 1:]
     assert tail == ["--nnodes", "1", "--nproc-per-node", "3", "--node-rank", "0", "--master-addr", "127.0.0.1",
                     "--master-port", "7000", "--module", "pkg.train", "--x", "1"]
 
@@ -194,7 +194,7 @@ def test_nodes_started_again_get_the_restarts_that_are_left(tmp_path):
 
 def _torchrun_flags_of(node) -> dict[str, str]:
     words = shlex.split(node.argv[-1])
-    start = words.index("torch.distributed.run") + 1
+    start = words.index(TORCHRUN_PATH) + 1
     flags = words[start:words.index("t.py")]
     return {flags[i]: flags[i + 1] for i in range(0, len(flags), 2)}
 
@@ -204,7 +204,7 @@ def test_one_local_node_with_restarts(tmp_path, monkeypatch):
     cfg = with_rdzv_id(config_from_args(["--num_gpus", "2", "--max_restarts", "2", "t.py"]), {"LOGLEVEL": "WARNING"})
     (node,) = plan(cfg, {"LOGLEVEL": "WARNING"}, tmp_path, tmp_path, sys.executable)
     argv = list(node.argv)
-    assert argv[argv.index("torch.distributed.run") + 1:] == ["--nnodes", "1", "--nproc-per-node", "2",
+    assert argv[argv.index(TORCHRUN_PATH) + 1:] == ["--nnodes", "1", "--nproc-per-node", "2",
                                                                "--standalone", "--max-restarts", "2", "t.py"]
     assert node.env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # the user's LOGLEVEL is left alone
 

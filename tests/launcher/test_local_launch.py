@@ -49,13 +49,16 @@ def test_failing_rank_fails_the_job_with_its_error():
 
 
 def test_ctrl_c_stops_every_process():
+    """Ctrl-C is passed on as a preemption; a script without a SIGTERM handler dies of it: 128 + SIGINT."""
     live = LiveLauncher("--num_gpus", "2", STANDIN, "--steps", "10000", "--sleep", "0.2", env=CPU_ONLY)
     live.wait_for("step 1 loss", timeout=90)
     workers = [psutil.Process(r["pid"]) for r in standin_report(live.output)["ranks"]]
     live.proc.send_signal(signal.SIGINT)
     assert live.finish(timeout=60) == 128 + signal.SIGINT, live.output
-    assert "ptm-launch: SIGINT received; stopping all 1 node(s)" in live.output
-    assert "stopping torchrun: the launcher closed the connection" in live.output
+    assert "ptm-launch: SIGINT received: asking every rank to finish its step, save a checkpoint and exit" \
+        in live.output
+    assert "the launcher was preempted: asking torchrun's ranks to finish their step, save and exit" in live.output
+    assert "ptm-launch: stopped by SIGINT without a clean exit of every rank" in live.output
     gone, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive, f"workers still running after Ctrl-C: {alive}"
 

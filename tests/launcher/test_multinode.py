@@ -136,7 +136,8 @@ def test_ctrl_c_with_pdsh_stops_every_node(hosts):
     assert _placement(standin_report(live.output)) == TWO_BY_TWO
     live.proc.send_signal(signal.SIGINT)
     assert live.finish(timeout=60) == 128 + signal.SIGINT, live.output
-    assert "ptm-launch: SIGINT received; stopping all 2 node(s)" in live.output
+    assert "ptm-launch: SIGINT received: asking every rank to finish its step" in live.output
+    assert "ptm-launch: stopped by SIGINT without a clean exit of every rank" in live.output
     assert hosts.wait_until_idle() == {}  # each agent stops its torchrun once its ssh session is gone
 
 
@@ -151,7 +152,8 @@ def test_node_whose_torchrun_dies_fails_the_job(hosts):
     out = live.output
     assert "ptm-launch: node 1 (10.77.0.2) failed; stopping the other node(s)" in out
     assert "10.77.0.2: [ptm-launch agent 10.77.0.2] torchrun was killed by SIGKILL" in out
-    assert "10.77.0.1: [ptm-launch agent 10.77.0.1] stopping torchrun: the launcher closed the connection" in out
+    assert "10.77.0.1: [ptm-launch agent 10.77.0.1] the launcher closed the connection: asking torchrun's ranks to " \
+           "stop" in out
     assert out.rstrip().splitlines()[-1].startswith(
         "ptm-launch: job failed: node 1 (10.77.0.2) lost its torchrun (killed by SIGKILL, exit code 137)")
     assert hosts.wait_until_idle() == {}  # the dead torchrun's orphaned workers were cleaned up too

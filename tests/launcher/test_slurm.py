@@ -95,3 +95,33 @@ def test_sbatch_example_restarts_a_killed_rank_and_finishes(slurm_env, tmp_path,
     else:
         assert "failed (exitcode: -9) local_rank: 1" in text  # torchrun's own log of the restart
     assert gpt_losses_by_iteration(text) == expected
+
+
+def test_scancel_signal_to_every_process_saves_and_the_job_exits_zero(slurm_env, tmp_path):
+    """Preemption as Slurm sends it (``scancel --signal=TERM --full``: every process of the job, the batch
+    script's ptm-launch, the srun step's agent, torchrun, ranks and data-loader workers): the step is finished
+    and saved, and every layer exits 0."""
+    out, ckpt = tmp_path / "job.out", tmp_path / "ckpt"
+    env = {**slurm_env, "NPROC": "2", "MAX_RESTARTS": "1", "CKPT_DIR": str(ckpt), "SAVE_INTERVAL": "1000",
+           "PYTHON": VENV_PYTHON, "LAUNCHER": "ptm-launch", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    args = tiny_gpt_args(1000)
+    args[args.index("--num-workers") + 1] = "1"
+    job = subprocess.Popen(["sbatch", "--wait", "--parsable", "--nodes=1", "--gpus-per-node=0",
+                            "--cpus-per-task=1", f"--output={out}", "--time=10", str(SBATCH), *args,
+                            "--exit-signal-handler"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        job_id = job.stdout.readline().strip().split(";")[0]
+        assert job_id.isdigit(), job.stderr.read()
+        _wait_for(out, r"iteration\s+3/", timeout=300)
+        subprocess.run(["scancel", "--signal=TERM", "--full", job_id], env=slurm_env, check=True)
+        stdout, stderr = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            subprocess.run(["scancel", job_id], env=slurm_env, check=False)
+            job.kill()
+    text = out.read_text(errors="replace")
+    assert job.returncode == 0, f"sbatch: {stderr}\n{text}"
+    stopped = int(re.search(r"SIGTERM received: stopping at iteration (\d+) after saving it", text)[1])
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped)
+    assert "every rank finished its step and exited 0" in text and "Traceback" not in text, text

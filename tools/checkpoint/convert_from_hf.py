@@ -29,6 +29,7 @@ from megatron.training.checkpoint.checkpointer import write_tracker
 from megatron.training.checkpoint.names import iteration_dir
 from tools.checkpoint.hf_mapping import args_from_hf, our_tensor
 from tools.checkpoint.loader import expected_names
+from tools.tool_errors import fail, one_line_errors
 from zero_cache.checkpoint import CheckpointError, distributed
 from zero_cache.checkpoint.interface import PARAM, StatePiece
 
@@ -178,12 +179,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="checked against the layers")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     a = p.parse_args(argv)
-    try:
+    fix = "give a Hugging Face model directory (config.json and its weights) and a writable --output"
+    if not os.path.isdir(a.input):
+        fail("convert_from_hf.py", f"--input {a.input} {'is a file' if os.path.exists(a.input) else 'does not exist'}"
+                                   f"; {fix}")
+    with one_line_errors("convert_from_hf.py", fix, CheckpointError):
         flags = convert(a.input, a.output, tp=a.tensor_model_parallel_size, pp=a.pipeline_model_parallel_size,
                         divisible_by=a.make_vocab_size_divisible_by)
-    except CheckpointError as e:
-        print(f"convert_from_hf.py: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
     print(f"> wrote {iteration_dir(a.output, 0)}; train from it with:\n  pretrain_gpt.py {' '.join(flags)} "
           f"--load {a.output} --finetune ...", flush=True)
 

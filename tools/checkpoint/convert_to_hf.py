@@ -24,6 +24,7 @@ import torch
 from megatron.core.transformer_config import TransformerConfig
 from tools.checkpoint.hf_mapping import hf_config, hf_tensors
 from tools.checkpoint.loader import load_args_from, model_config_from_args, open_checkpoint, open_state_dict
+from tools.tool_errors import one_line_errors
 from zero_cache.checkpoint import CheckpointError
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -114,12 +115,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output", required=True, help="Hugging Face model directory to write")
     p.add_argument("--max-shard-size", default="2GB", help="largest safetensors file, e.g. 500MB, 2GB (default)")
     a = p.parse_args(argv)
-    try:
+    fix = "give a checkpoint directory (--load) or a state dict with --args-from, and a writable --output"
+    with one_line_errors("convert_to_hf.py", fix, CheckpointError):
         convert(a.output, load=a.load, iteration=a.iteration, state_dict=a.state_dict, args_from=a.args_from,
                 max_shard_size=a.max_shard_size)
-    except CheckpointError as e:
-        print(f"convert_to_hf.py: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -142,9 +142,13 @@ def load_args_from(path: str) -> dict:
                               "or a JSON file of model arguments")
     with open(path, encoding="utf-8") as f:
         try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
+            args = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"--args-from {path} is not valid JSON ({e})") from e
+    if not isinstance(args, dict):
+        raise CheckpointError(f"--args-from {path} holds a JSON {type(args).__name__}, not an object of model "
+                              f"arguments; give the args.json zero_to_fp32.py writes, or a checkpoint directory")
+    return args
 
 
 def global_name(name: str, layer_offset: int) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import shutil
 import sys
 import tempfile
@@ -30,22 +31,40 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 
 from megatron.training.checkpoint.checkpointer import read_tracker
-from megatron.training.checkpoint.names import iteration_dirname
+from megatron.training.checkpoint.names import TRACKER, iteration_dirname
 from tools.checkpoint.loader import OUTPUT_LAYER, global_name, partition_dim
-from zero_cache.checkpoint import distributed
+from tools.tool_errors import fail, one_line_errors
+from zero_cache.checkpoint import CheckpointError, distributed
 from zero_cache.checkpoint.consolidate import consolidate
+from zero_cache.checkpoint.names import latest_path
 from zero_cache.checkpoint.sharded import file_prefix, latest_tag
 from zero_cache.checkpoint.slices import atomic_torch_save
+
+PROG = "zero_to_fp32.py"
 
 
 def _read_args(save_dir: str, tag: str) -> dict:
     path = os.path.join(save_dir, tag, file_prefix(0, 0) + "_model_states.pt")
     if not os.path.isfile(path):
-        raise SystemExit(f"zero_to_fp32: {path} is missing: is {save_dir} a checkpoint of pretrain_gpt.py --deepspeed?")
-    client = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["client_state"]
+        raise CheckpointError(f"{path} is missing: {save_dir} holds no checkpoint tagged {tag!r} of pretrain_gpt.py "
+                              f"--deepspeed; give its --save directory (and --tag of a checkpoint in it)")
+    try:
+        client = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("client_state", {})
+    except (RuntimeError, pickle.UnpicklingError, AttributeError) as e:
+        raise CheckpointError(f"{path} is not a readable checkpoint file ({str(e).splitlines()[0]}); it is "
+                              f"damaged or not pretrain_gpt.py's: consolidate another one (--tag)") from None
     if "args" not in client:
-        raise SystemExit(f"zero_to_fp32: {path} carries no trainer args; it was not written by pretrain_gpt.py")
+        raise CheckpointError(f"{path} carries no trainer args; it was not written by pretrain_gpt.py: give the "
+                              f"--save directory of a pretrain_gpt.py run")
     return dict(client["args"])
+
+
+def _default_tag(save_dir: str) -> str:
+    """The per-rank layout's latest tag ('latest' names it)."""
+    if not os.path.isfile(latest_path(save_dir)):
+        raise CheckpointError(f"{save_dir} holds no checkpoint: neither {TRACKER} (pretrain_gpt.py) nor 'latest' "
+                              f"(--ckpt-format torch); give the --save directory of a run that saved, or --tag")
+    return latest_tag(save_dir)
 
 
 def _load_mapped(path: str) -> torch.Tensor:
@@ -87,7 +106,7 @@ def zero_to_fp32(save_dir: str, out_dir: str, tag: str | None = None) -> dict[st
         os.makedirs(out_dir, exist_ok=True)
         _write_args(out_dir, dict(distributed.load_objects(os.path.join(save_dir, dist_tag), ["args"])["args"]))
         return consolidate(save_dir, out_dir, dist_tag)
-    tag = tag or latest_tag(save_dir)
+    tag = tag or _default_tag(save_dir)
     args = _read_args(save_dir, tag)
     tp, pp = args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]
     per_stage = args["num_layers"] // pp
@@ -131,7 +150,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tag", default=None, help="checkpoint tag, e.g. iter_0000100 or global_step100 (default: the "
                                                 "latest: the tracker's iteration, else the per-rank layout's latest)")
     a = ap.parse_args(argv)
-    index = zero_to_fp32(a.save_dir, a.out_dir, a.tag)
+    if not os.path.isdir(a.save_dir):
+        fail(PROG, f"{a.save_dir} {'is a file' if os.path.exists(a.save_dir) else 'does not exist'}; give the --save "
+                   f"directory of a pretrain_gpt.py run")
+    with one_line_errors(PROG, "give the --save directory of a pretrain_gpt.py run and a writable output directory",
+                         CheckpointError):
+        index = zero_to_fp32(a.save_dir, a.out_dir, a.tag)
     print(f"zero_to_fp32: wrote {len(index)} tensors to {a.out_dir}", file=sys.stderr)
 
 

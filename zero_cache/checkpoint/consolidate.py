@@ -25,6 +25,8 @@ import time
 import torch
 
 from . import distributed
+from .errors import CheckpointError
+from .names import latest_path
 from .sharded import READABLE, file_prefix, flat, latest_tag
 from .slices import SliceFiles, atomic_torch_save
 
@@ -170,8 +172,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
     ap.add_argument("--mp-rank", type=int, default=0, help="model-parallel rank to consolidate")
     args = ap.parse_args(argv)
-    index = consolidate(args.ckpt_dir, args.out_dir, args.tag, args.mp_rank, progress=True)
+    if args.tag is None and not os.path.isfile(latest_path(args.ckpt_dir)):
+        _fail(f"{args.ckpt_dir} has no 'latest' file naming a checkpoint; pass --tag (the tag folder under it) or, "
+              f"for a pretrain_gpt.py --save directory, use tools/checkpoint/zero_to_fp32.py")
+    try:
+        index = consolidate(args.ckpt_dir, args.out_dir, args.tag, args.mp_rank, progress=True)
+    except (CheckpointError, OSError, ValueError) as e:
+        _fail(str(e))
     print(f"[consolidate] wrote {len(index)} state-dict entries to {args.out_dir}")
+
+
+def _fail(message: str) -> None:
+    print(f"ptm-consolidate: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 if __name__ == "__main__":
