@@ -44,8 +44,8 @@ def _wait_ready(proc: subprocess.Popen, lines: list[str]) -> None:
     ready = 0
     for line in proc.stdout:
         lines.append(line)
-        ready += "ready" in line
-        if ready == 2:
+        ready += line.count("ready")  # two workers' prints may share a line
+        if ready >= 2:
             return
     raise AssertionError("".join(lines))
 

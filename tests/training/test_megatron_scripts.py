@@ -12,6 +12,7 @@ import torch
 
 from megatron.training.arguments import ConfigError, parse_args
 from megatron.training.attention_backend import AttentionBackendError, attention_backend
+from tests.training import megatron_scripts
 from tests.training.megatron_scripts import (
     ITERS,
     LLAMA3_DECOUPLED_LR,
@@ -26,8 +27,28 @@ from tests.training.megatron_scripts import (
     mds_moe_dense_1_3b,
 )
 from tests.training.run_trainer import losses, run
+from tools import make_sample_corpus, preprocess_data, train_tokenizer
 
 HAVE_WANDB = importlib.util.find_spec("wandb") is not None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sample_corpus(tmp_path_factory):
+    """A small corpus of the bundled sample's kind, made here: a fresh clone has no data/sample (examples/start.sh
+    builds that one), and another test may be building it at the same time."""
+    out = tmp_path_factory.mktemp("sample")
+    corpus = str(out / "corpus.jsonl")
+    make_sample_corpus.main(["--output", corpus, "--max-mb", "0.6"])
+    train_tokenizer.main(["--input", corpus, "--vocab-size", "2048", "--output-dir", str(out)])
+    tokenizer = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(out / "vocab.json"),
+                 "--merge-file", str(out / "merges.txt")]
+    preprocess_data.main(["--input", corpus, *tokenizer, "--append-eod", "--workers", "1",
+                          "--output-prefix", str(out / "corpus")])
+    with pytest.MonkeyPatch.context() as patch:  # the scripts' argv builders read these when called
+        patch.setattr(megatron_scripts, "CORPUS", str(out / "corpus_text_document"))
+        patch.setattr(megatron_scripts, "VOCAB", str(out / "vocab.json"))
+        patch.setattr(megatron_scripts, "MERGES", str(out / "merges.txt"))
+        yield
 
 
 def _cpu_llama3(tmp_path):
