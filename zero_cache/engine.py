@@ -72,7 +72,6 @@ class ZeroEngine(ChunkListener):
         self.events = parts.events
         self.coordinator = parts.coordinator
         self.optimizer = parts.optimizer
-        self.refresh = parts.refresh
         self.update = parts.update
         self.reducer = parts.reducer
         self.scaler = parts.scaler

@@ -14,21 +14,15 @@ import os
 from dataclasses import dataclass
 from typing import Iterator
 
+from megatron.data.preprocess.optional_package import optional_package
+
 FIX = "re-download or re-create the file"
 
 
 def pyarrow_modules(path: str):
     """(pyarrow, pyarrow.compute, pyarrow.parquet), or one clear error naming ``path`` when not installed."""
-    try:
-        import pyarrow
-        import pyarrow.compute
-        import pyarrow.parquet
-    except ModuleNotFoundError as e:
-        if (e.name or "").split(".")[0] != "pyarrow":
-            raise
-        raise ValueError(f"{path}: reading Parquet or Arrow input needs pyarrow, which is not installed: "
-                         f"pip install pyarrow") from None
-    return pyarrow, pyarrow.compute, pyarrow.parquet
+    return optional_package(("pyarrow", "pyarrow.compute", "pyarrow.parquet"), path,
+                            "reading Parquet or Arrow input needs pyarrow")
 
 
 @dataclass(frozen=True)

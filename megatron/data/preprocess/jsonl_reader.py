@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from megatron.data.preprocess.balance import split_evenly
+from megatron.data.preprocess.optional_package import optional_package
 
 GZIP_SUFFIXES = (".gz",)
 ZSTD_SUFFIXES = (".zst", ".zstd")
@@ -64,14 +65,7 @@ def plan_partitions(files: list[str], partitions: int) -> list[list[Segment]]:
 
 def zstandard_module(path: str):
     """The ``zstandard`` package, or one clear error naming ``path`` when it is not installed."""
-    try:
-        import zstandard
-    except ModuleNotFoundError as e:
-        if (e.name or "").split(".")[0] != "zstandard":
-            raise
-        raise ValueError(f"{path}: reading .zst input needs the zstandard package, which is not installed: "
-                         f"pip install zstandard") from None
-    return zstandard
+    return optional_package(("zstandard",), path, "reading .zst input needs the zstandard package")[0]
 
 
 def _plain_chunks(segment: Segment, chunk_bytes: int) -> Iterator[RawChunk]:
