@@ -3,13 +3,15 @@
 #
 #   bash examples/start.sh            # embedded default: a small GPT on the bundled sample corpus (CPU ok)
 #   bash examples/start.sh 1.3b       # a named size from the table below
+#   EP=2 bash examples/start.sh moe-tiny   # a mixture of experts (moe-* sizes), experts split over 2 ranks
 #   bash examples/start.sh list       # print the table
 #
 # Environment overrides (Megatron example-script style):
 #   NPROC (processes on this node; default: GPUs, else 2)   HOSTFILE (multi-node, `host slots=N` lines;
 #   LAUNCH_ARGS passes ptm-launch options, e.g. "--master_port 6000")
 #   MAX_RESTARTS (restart every rank up to N times after a rank or node failure, resuming from SAVE_DIR)
-#   TP, PP (parallel sizes)   MBS, GBS (micro / global batch)   SEQ_LEN   TRAIN_ITERS   LR
+#   TP, PP, EP (tensor, pipeline, expert parallel sizes; EP divides the data-parallel size, moe-* sizes only)
+#   MBS, GBS (micro / global batch)   SEQ_LEN   TRAIN_ITERS   LR
 #   DATA_PATH (preprocessed prefix; default: build the sample corpus)   SAVE_DIR (checkpoints; also resumes)
 #   DS_CONFIG (DeepSpeed-style JSON: trains through the zero_cache engine)   EXTRA_ARGS (appended flags)
 #   PLAN_ARGS (extra memory-planner flags, e.g. "--host-memory-gib 24 --nvme-path /local_nvme")
@@ -33,16 +35,18 @@ case "${PTM_PYTHON:-}" in */*) [[ "$PTM_PYTHON" = /* ]] || PTM_PYTHON="$CALLER_D
 cd "$ROOT"
 
 SIZE="${1:-default}"
-# Sizes (layers hidden heads ffn micro-batch) live in ptm_planner/sizes.py, shared with the memory planner; it
-# needs only the standard library, so the system python3 reads it before the project's environment exists.
+# Sizes (layers hidden heads ffn micro-batch, and the mixture-of-experts flags of moe-* sizes) live in
+# ptm_planner/sizes.py, shared with the memory planner; it needs only the standard library, so the system python3
+# reads it before the project's environment exists.
 SIZE_TABLE=(python3 -m ptm_planner.sizes)
 if [ "$SIZE" = "list" ] || [ "$SIZE" = "-h" ] || [ "$SIZE" = "--help" ]; then "${SIZE_TABLE[@]}" list; exit 0; fi
 if ! ROW="$("${SIZE_TABLE[@]}" row "$SIZE" 2>/dev/null)"; then
   echo "unknown SIZE '$SIZE'"; "${SIZE_TABLE[@]}" list; exit 2
 fi
 read -r LAYERS HIDDEN HEADS FFN TABLE_MBS <<<"$ROW"
+read -r -a MOE_ARGS <<<"$("${SIZE_TABLE[@]}" moe-args "$SIZE")"  # empty for a dense size
 
-source scripts/bootstrap.sh
+source scripts/bootstrap.sh ""  # "": not the dev set (a bare `source` would pass on SIZE as its argument)
 
 if [ -n "${HOSTFILE:-}" ]; then
   # All slots of all hosts take part: the data-parallel size follows from their sum.
@@ -53,7 +57,7 @@ if python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"
 else
   NPROC="${NPROC:-2}"; BACKEND=gloo; PREC=""  # fp32 on CPU: bf16 matmuls are 20-50x slower there
 fi
-TP="${TP:-1}"; PP="${PP:-1}"
+TP="${TP:-1}"; PP="${PP:-1}"; EP="${EP:-1}"
 MBS="${MBS:-$TABLE_MBS}"
 DP=$(( NPROC / (TP * PP) ))
 SEQ_LEN="${SEQ_LEN:-$("${SIZE_TABLE[@]}" seq-length)}"
@@ -72,7 +76,8 @@ else
   # shellcheck disable=SC2086
   python -m ptm_planner --size "$SIZE" --seq-length "$SEQ_LEN" --micro-batch-size "$MBS" \
     --nproc-per-node "$(( NPROC / NNODES ))" --nnodes "$NNODES" --tensor-model-parallel-size "$TP" \
-    --pipeline-model-parallel-size "$PP" --device "$PLAN_DEVICE" --vocab-size "$PLAN_VOCAB" $PREC \
+    --pipeline-model-parallel-size "$PP" --expert-model-parallel-size "$EP" --device "$PLAN_DEVICE" \
+    --vocab-size "$PLAN_VOCAB" $PREC \
     --write-ds-config "$PLAN_DIR/ds_config.json" --write-args "$PLAN_DIR/model_args.txt" ${PLAN_ARGS:-} \
     > "$PLAN_DIR/plan.txt" && PLAN_RC=0 || PLAN_RC=$?
   if [ "$PLAN_RC" != 0 ]; then
@@ -84,9 +89,10 @@ else
 fi
 if [ "$SIZE" = default ]; then
   MODEL_ARGS=(--num-layers "$LAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$HEADS" --ffn-hidden-size "$FFN"
-              --seq-length "$SEQ_LEN" --max-position-embeddings "$SEQ_LEN" --micro-batch-size "$MBS")
+              --seq-length "$SEQ_LEN" --max-position-embeddings "$SEQ_LEN" --micro-batch-size "$MBS" "${MOE_ARGS[@]}")
 else
-  # The planned model flags: micro-batch possibly lowered, recompute when needed.
+  # The planned model flags: micro-batch possibly lowered, recompute when needed; a mixture of experts' flags
+  # (the size's MOE_ARGS and --expert-model-parallel-size) are among them.
   mapfile -t MODEL_ARGS < "$PLAN_DIR/model_args.txt"
   for i in "${!MODEL_ARGS[@]}"; do [ "${MODEL_ARGS[$i]}" = --micro-batch-size ] && MBS="${MODEL_ARGS[$((i + 1))]}"; done
   DS_CONFIG="${DS_CONFIG:-$PLAN_DIR/ds_config.json}"
@@ -109,7 +115,7 @@ fi
 
 ARGS=(
   "${MODEL_ARGS[@]}" --global-batch-size "$GBS"
-  --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
+  --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --expert-model-parallel-size "$EP"
   --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$(python -c "print($LR/10)")" --lr-decay-style cosine
   --lr-warmup-fraction 0.05 --weight-decay 0.1 --clip-grad 1.0
   --data-path "$DATA_PATH" --split 98,2,0 "${DATA_ARGS[@]}"
@@ -126,7 +132,7 @@ if [ -n "${TENSORBOARD_DIR:-}" ]; then ARGS+=(--tensorboard-dir "$TENSORBOARD_DI
 # shellcheck disable=SC2206
 ARGS+=(${EXTRA_ARGS:-})
 
-echo "[start.sh] size=$SIZE layers=$LAYERS hidden=$HIDDEN heads=$HEADS ffn=$FFN nproc=$NPROC TP=$TP PP=$PP DP=$DP mbs=$MBS gbs=$GBS seq=$SEQ_LEN"
+echo "[start.sh] size=$SIZE layers=$LAYERS hidden=$HIDDEN heads=$HEADS ffn=$FFN${MOE_ARGS[*]:+ moe: ${MOE_ARGS[*]}} nproc=$NPROC TP=$TP PP=$PP EP=$EP DP=$DP mbs=$MBS gbs=$GBS seq=$SEQ_LEN"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}"
 RESTARTS=()
 if [ "${MAX_RESTARTS:-0}" != 0 ]; then

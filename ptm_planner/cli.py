@@ -3,6 +3,7 @@
     python tools/plan_memory.py --size 1.3b --nproc-per-node 8 --bf16 --device cuda
     python tools/plan_memory.py --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --largest
     ptm-plan --size 55 --host-memory-gib 24 --nvme-free-gib 70 --json
+    ptm-plan --size moe-8x1.3b --nproc-per-node 8 --expert-model-parallel-size 8 --device cuda --device-memory-gib 80
     python -m ptm_planner --size 125m --device cpu      # as examples/start.sh runs it
 
 The command line, hardware detection and reports; how the plan is made is ptm_planner.plan. Exit
@@ -22,24 +23,23 @@ import tempfile
 import psutil
 import torch
 
-from megatron.core.parallel_state import ParallelConfigError
+from megatron.core.parallel_state import ParallelConfigError, check_expert_parallel_size
 from megatron.training.arguments import ConfigError as MegatronConfigError
 from megatron.training.arguments.model import add_model_args, model_config_from_args
+from ptm_planner.all_to_all import AllToAll, all_to_all
+from ptm_planner.family import Plan, growth, largest, plan
+from ptm_planner.moe_args import add_expert_parallel_arg, add_moe_args, moe_megatron_args
 from ptm_planner.plan import (
     DEFAULT_VOCAB_SIZE,
     OFFLOADS,
     GiB,
     Hardware,
-    Plan,
     Planner,
     Request,
     format_bytes,
-    largest_layers,
-    plan,
-    with_layers,
 )
 from ptm_planner.sizes import DEFAULT_SEQ_LENGTH, SIZES, get_size
-from ptm_planner.stages import Mesh
+from ptm_planner.stages import Mesh, StageModel
 from ptm_planner.step_time import Speeds, measure_host_adam
 from zero_cache.aio import nearest_existing_dir
 from zero_cache.store import DEVICE, HOST, NVME, TIERS
@@ -56,11 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
                    help="tokenizer vocabulary (unpadded; padded like the trainer)")
     add_model_args(p)  # Megatron's own model flags (--num-layers ... --swiglu --bf16 ...)
+    add_moe_args(p)  # the trainer's mixture-of-experts flags (--num-experts --moe-router-topk ...)
     g = p.add_argument_group("mesh")
     g.add_argument("--nproc-per-node", type=int, default=None, help="default: the GPUs here, else 2 (as start.sh)")
     g.add_argument("--nnodes", type=int, default=1)
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    add_expert_parallel_arg(g)
     g.add_argument("--micro-batch-size", type=int, default=None,
                    help="requested micro-batch (default: the size's, else 1); lowered if it does not fit")
     g.add_argument("--recompute-activations", action="store_true",
@@ -85,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("output")
     g.add_argument("--offload", choices=["auto", *OFFLOADS], default="auto",
                    help="restrict the plan to one offload mode (default: the fastest that fits)")
-    g.add_argument("--largest", action="store_true", help="plan the largest model of this family (grow --num-layers)")
+    g.add_argument("--largest", action="store_true", help="plan the largest model of this family (grow --largest-by)")
+    g.add_argument("--largest-by", choices=["layers", "experts"], default="layers",
+                   help="what --largest grows: --num-layers, or --num-experts of a mixture of experts")
     g.add_argument("--write-ds-config", metavar="PATH", help="write the chosen zero_cache JSON config")
     g.add_argument("--write-args", metavar="PATH", help="write the planned Megatron flags, one shell word per line")
     g.add_argument("--json", action="store_true", help="machine-readable plan on stdout")
@@ -147,6 +151,7 @@ def request_from_args(argv: list[str]) -> tuple[Request, argparse.Namespace]:
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--size", default=None)
     pre.add_argument("--largest", action="store_true")
+    pre.add_argument("--largest-by", default="layers")
     pre.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     known, _ = pre.parse_known_args(argv)
     defaults = ["--seq-length", str(DEFAULT_SEQ_LENGTH)]
@@ -154,7 +159,7 @@ def request_from_args(argv: list[str]) -> tuple[Request, argparse.Namespace]:
     if known.size is not None:
         size = get_size(known.size)
         defaults += size.megatron_args()
-    elif known.largest:  # the layer count is what --largest finds
+    elif known.largest and known.largest_by == "layers":  # the layer count is what --largest finds
         defaults += ["--num-layers", str(max(1, known.pipeline_model_parallel_size))]
     elif "-h" not in argv and "--help" not in argv and "--num-layers" not in argv:
         raise ValueError("give --size NAME (see examples/start.sh list) or the model shape: --num-layers L "
@@ -176,15 +181,21 @@ def request_from_args(argv: list[str]) -> tuple[Request, argparse.Namespace]:
     if args.nproc_per_node is None:
         args.nproc_per_node = (torch.cuda.device_count() or 1) if hardware.device == "cuda" and \
             torch.cuda.is_available() else (1 if hardware.device == "cuda" else 2)
-    mesh = Mesh(args.nproc_per_node, args.nnodes, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    mesh = Mesh(args.nproc_per_node, args.nnodes, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                args.expert_model_parallel_size)
     try:
-        mesh.dp  # noqa: B018  (validates the mesh)
+        check_expert_parallel_size(mesh.ep, mesh.dp)  # also validates the mesh
         model = model_config_from_args(args).transformer_config(args.vocab_size, args.tensor_model_parallel_size)
     except (ParallelConfigError, MegatronConfigError) as e:
         raise ValueError(str(e)) from None
     if model.num_layers % mesh.pp:
         raise ValueError(f"--num-layers {model.num_layers} is not divisible by --pipeline-model-parallel-size "
                          f"{mesh.pp}")
+    if model.moe is None and mesh.ep > 1:
+        raise ValueError(f"--expert-model-parallel-size {mesh.ep} splits experts; give --num-experts (or drop it)")
+    if model.moe is not None and model.moe.num_experts % mesh.ep:
+        raise ValueError(f"--num-experts {model.moe.num_experts} is not divisible by --expert-model-parallel-size "
+                         f"{mesh.ep}; choose an expert count that the expert-parallel ranks split evenly")
     offloads = OFFLOADS if args.offload == "auto" else (args.offload,)
     return Request(model, mesh, hardware, args.micro_batch_size, offloads, args.make_vocab_size_divisible_by,
                    known.size, speeds_from_args(args, hardware), args.gradient_accumulation_steps), args
@@ -239,19 +250,66 @@ def megatron_args(p: Plan) -> list[str]:
         out += ["--recompute-granularity", "full", "--recompute-method", m.recompute_method,
                 "--recompute-num-layers", str(m.recompute_num_layers)]
     out += ["--tensor-model-parallel-size", str(r.mesh.tp), "--pipeline-model-parallel-size", str(r.mesh.pp)]
-    return out
+    return out + moe_megatron_args(m.moe, r.mesh.ep)
 
 
 def _params(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
-def describe_model(r: Request, layers: int | None = None) -> str:
-    m = r.model if layers is None else dataclasses.replace(r.model, num_layers=layers)
-    name = f"{r.size_name} " if r.size_name and layers is None else ""
-    return (f"{name}GPT {_params(m.num_parameters())} parameters ({m.num_layers} layers, hidden {m.hidden_size}, "
-            f"{m.num_attention_heads} heads, ffn {m.ffn_hidden_size}, seq {m.seq_length}, "
+def describe_model(r: Request) -> str:
+    m = r.model
+    name = f"{r.size_name} " if r.size_name else ""
+    moe = ""
+    if m.moe is not None:
+        e = m.moe
+        moe = (f", {e.num_experts} experts top-{e.router_topk} of ffn {e.expert_ffn_hidden_size(m.ffn_hidden_size)}"
+               + (f" in {sum(map(m.is_moe_layer, range(m.num_layers)))} of the layers" if e.layer_freq != 1 else "")
+               + (f", shared expert ffn {e.shared_expert_intermediate_size}" if e.shared_expert_intermediate_size
+                  else ""))
+    active = f", {_params(m.num_parameters(active=True))} active" if m.moe is not None else ""
+    return (f"{name}GPT {_params(m.num_parameters())} parameters{active} ({m.num_layers} layers, hidden "
+            f"{m.hidden_size}, {m.num_attention_heads} heads, ffn {m.ffn_hidden_size}{moe}, seq {m.seq_length}, "
             f"vocab {m.padded_vocab_size}, {m.precision})")
+
+
+def stage_all_to_all(p: Plan, stage: StageModel) -> AllToAll:
+    r, opt = p.request, p.chosen.option
+    return all_to_all(r.model, r.mesh.ep, opt.micro_batch_size, stage.moe_layers, r.accumulation_steps, opt.recompute)
+
+
+def all_to_all_json(p: Plan, stage: StageModel) -> dict | None:
+    if p.request.model.moe is None:
+        return None
+    traffic = stage_all_to_all(p, stage)
+    return {**dataclasses.asdict(traffic), "exchange_bytes": traffic.exchange_bytes, "step_bytes": traffic.step_bytes}
+
+
+def moe_lines(p: Plan) -> list[str]:
+    """A mixture of experts: the parameters a rank holds and computes with, its expert states per tier, and the
+    all-to-all volume of its stage (none for a dense model)."""
+    r, ev = p.request, p.chosen
+    m, mesh = r.model, r.mesh
+    if m.moe is None:
+        return []
+    e = m.moe
+    out = ["", f"mixture of experts: {_params(m.num_parameters())} parameters, "
+           f"{_params(m.num_parameters(active=True))} active per token; {e.num_experts} experts per MoE layer, "
+           f"{e.num_experts // mesh.ep} on each rank (EP {mesh.ep}), their states sharded over {mesh.expert_dp} "
+           f"rank(s) (DP {mesh.dp} / EP {mesh.ep}); the rest over DP {mesh.dp}"]
+    for st in ev.stages:
+        stage, exp, traffic = st.model, st.states.expert_by_tier, stage_all_to_all(p, st.model)
+        out.append(f"  pipeline stage {st.stage}: {stage.moe_layers} MoE layer(s); experts held "
+                   f"{_params(stage.expert_numel)} of {_params(stage.numel)} parameters, computed with per token "
+                   f"{_params(stage.active_numel)}; expert states per process: "
+                   + ", ".join(f"{t} {format_bytes(exp[t])}" for t in TIERS))
+        out.append(f"    all-to-all over EP {mesh.ep}: {format_bytes(traffic.exchange_bytes)} sent per exchange "
+                   f"({traffic.rows} routed rows of {m.hidden_size}, {traffic.exchanges} exchanges per MoE layer and "
+                   f"micro-batch), {format_bytes(traffic.step_bytes)} per step")
+    if e.capacity_factor is None and mesh.ep > 1:
+        out.append("  dropless routing: activations and all-to-alls are planned for an even load; a rank whose "
+                   "experts get more tokens needs more (--moe-expert-capacity-factor bounds it, and the plan)")
+    return out
 
 
 def to_json(p: Plan) -> dict:
@@ -259,8 +317,10 @@ def to_json(p: Plan) -> dict:
     opt = ev.option
     return {
         "fits": p.fits,
-        "model": {"num_parameters": p.num_parameters, **dataclasses.asdict(r.model)},
-        "mesh": {**dataclasses.asdict(r.mesh), "data_parallel_size": r.mesh.dp, "world_size": r.mesh.world},
+        "model": {"num_parameters": p.num_parameters, "num_parameters_active": r.model.num_parameters(active=True),
+                  **dataclasses.asdict(r.model)},
+        "mesh": {**dataclasses.asdict(r.mesh), "data_parallel_size": r.mesh.dp, "world_size": r.mesh.world,
+                 "expert_data_parallel_size": r.mesh.expert_dp},
         "hardware": dataclasses.asdict(r.hardware),
         "option": dataclasses.asdict(opt),
         "capacity_per_process": ev.capacity,
@@ -272,10 +332,14 @@ def to_json(p: Plan) -> dict:
             "states_by_tier": st.states.by_tier, "staging": st.states.staging, "nvme_disk": st.states.nvme_disk,
             "sub_groups": st.states.sub_groups, "sub_groups_on_device": st.states.cached_sub_groups,
             "nonstate": dataclasses.asdict(st.nonstate), "need": st.need(),
+            "active_parameters": st.model.active_numel, "moe_layers": st.model.moe_layers,
+            "expert_parameters": st.model.expert_numel, "expert_states_by_tier": st.states.expert_by_tier,
+            "all_to_all": all_to_all_json(p, st.model),
         } for st in ev.stages],
         "ds_config": ev.config,
         "megatron_args": megatron_args(p),
         "largest_layers": p.largest_layers,
+        "largest_experts": p.largest_experts,
         "largest_parameters": p.largest_parameters,
         "largest_size": p.largest_size,
         "needs": p.needs,
@@ -297,9 +361,10 @@ def summary(p: Plan) -> str:
     lines = [f"does not fit: {describe_model(r)} on {r.mesh.world} processes (TP {r.mesh.tp}, PP {r.mesh.pp}, "
              f"DP {r.mesh.dp}) of this hardware:"]
     lines += [f"  - {f}" for f in p.chosen.failures]
-    if p.largest_layers:
-        lines.append(f"the largest of this family that fits: --num-layers {p.largest_layers} "
-                     f"({_params(p.largest_parameters)} parameters)")
+    if p.largest_layers or p.largest_experts:
+        lines.append(largest_line(p))
+    elif p.largest_experts is not None:
+        lines.append("no model of this family fits, not even the fewest experts")
     else:
         lines.append("no model of this family fits, not even one layer per pipeline stage")
     if p.largest_size:
@@ -317,10 +382,18 @@ def summary(p: Plan) -> str:
     return "\n".join(lines)
 
 
-def nothing_fits(r: Request) -> str:
-    """One line for --largest when not even one layer per pipeline stage fits: what that needs with every state
-    on SSD against what the hardware has, and the flags that change either."""
-    smallest = with_layers(r, r.mesh.pp)
+def largest_line(p: Plan) -> str:
+    flag, n = ("--num-layers", p.largest_layers) if p.largest_layers is not None else \
+        ("--num-experts", p.largest_experts)
+    return f"the largest of this family that fits: {flag} {n} ({_params(p.largest_parameters)} parameters)"
+
+
+def nothing_fits(r: Request, by: str = "layers") -> str:
+    """One line for --largest when not even the smallest of the family (one layer per pipeline stage, or the
+    fewest experts) fits: what that needs with every state on SSD against what the hardware has, and the flags
+    that change either."""
+    g = growth(r, by)
+    smallest = g.apply(r, g.first)
     planner = Planner(smallest)
     lean = planner.leanest()
     need = planner.requirements(dataclasses.replace(lean, offload="nvme") if "nvme" in r.offloads else lean)
@@ -332,7 +405,8 @@ def nothing_fits(r: Request) -> str:
         rows.append(("memory per accelerator", need["device_memory"], hw.device_memory, "--device-memory-gib"))
     short = [row for row in rows if row[1] > row[2]] or rows[:1]
     where = "detected here" if hw.detected else "given"
-    return (f"nothing of this family fits: {r.mesh.pp} layer(s) ({_params(smallest.model.num_parameters())} "
+    what = f"{g.first} layer(s)" if by == "layers" else f"{g.first} experts per MoE layer"
+    return (f"nothing of this family fits: {what} ({_params(smallest.model.num_parameters())} "
             f"parameters) on {r.mesh.world} processes need "
             + ", ".join(f"{format_bytes(n)} {what} ({format_bytes(have)} {where})" for what, n, have, _ in short)
             + "; plan for a machine that has it (" + ", ".join(flag for *_, flag in short)
@@ -396,9 +470,9 @@ def table(p: Plan) -> str:
             f"{z['max_contigous_params_size']}, sub_group_size {z['sub_group_size']}, allgather_bucket_size "
             f"{z['allgather_bucket_size']}, stage3_prefetch_bucket_size {z['stage3_prefetch_bucket_size']}, "
             f"stage3_max_live_parameters {z['stage3_max_live_parameters']}"]
-    if p.largest_layers is not None and p.fits:
-        out.append(f"  the largest of this family that fits: --num-layers {p.largest_layers} "
-                   f"({_params(p.largest_parameters)} parameters)")
+    if (p.largest_layers is not None or p.largest_experts is not None) and p.fits:
+        out.append(f"  {largest_line(p)}")
+    out += moe_lines(p)
     if p.step is not None:
         sp = r.speeds
         out += ["", f"predicted step ({r.accumulation_steps} micro-batch(es); {sp.device_tflops:g} TFLOP/s, PCIe "
@@ -413,13 +487,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         request, args = request_from_args(argv)
+        found = None
         if args.largest:
-            layers = largest_layers(request)
-            if not layers:
-                print(f"plan_memory.py: {nothing_fits(request)}", file=sys.stderr)
+            found = largest(request, args.largest_by)
+            if not found:
+                print(f"plan_memory.py: {nothing_fits(request, args.largest_by)}", file=sys.stderr)
                 return EXIT_DOES_NOT_FIT
-            request = with_layers(request, layers)
-        result = plan(request, layers if args.largest else None)
+            request = growth(request, args.largest_by).apply(request, found)
+        result = plan(request, found, args.largest_by)
     except (ValueError, RuntimeError) as e:
         print(f"plan_memory.py: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

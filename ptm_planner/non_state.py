@@ -53,25 +53,60 @@ class NonState:
                 + self.overhead_device)
 
 
-def activation_bytes(cfg: TransformerConfig, micro_batch: int, tp: int, layers: int, in_flight: int,
-                     recompute: bool) -> int:
-    """Activations one rank keeps for backward (Korthikanti et al. 2022, without sequence parallelism).
+def layer_activation_bytes(cfg: TransformerConfig, micro_batch: int, tp: int, moe: bool = False) -> float:
+    """Activations one transformer layer keeps for backward (Korthikanti et al. 2022, without sequence
+    parallelism): s*b*h*(10 + (8 + 4*f/h*m)/t) + 5*a*s^2*b/t bytes in 16-bit (m = 2 with SwiGLU), which is
+    s*b*h*(34 + 5*a*s/h) for f = 4h, t = 1; fp32 doubles it.
 
-    Per layer, 16-bit: s*b*h*(10 + (8 + 4*f/h*m)/t) + 5*a*s^2*b/t bytes (m = 2 with SwiGLU), which is
-    s*b*h*(34 + 5*a*s/h) for f = 4h, t = 1; fp32 doubles it. With full recompute only each recompute
-    block's input (s*b*h elements) stays, plus one block's working set while it is recomputed. A 1F1B
-    pipeline stage holds ``in_flight`` micro-batches.
+    An MoE layer's MLP term is its experts' instead (moe_mlp_bytes), plus its shared expert's like a dense MLP.
     """
     s, b, h, a = cfg.seq_length, micro_batch, cfg.hidden_size, cfg.num_attention_heads
-    mlp = 4 * cfg.ffn_hidden_size / h * (2 if cfg.swiglu else 1)
-    per_layer = s * b * h * (10 + (8 + mlp) / tp) + 5 * a * s * s * b / tp
     elem = cfg.params_dtype.itemsize
-    per_layer *= elem / 2
+    m = 2 if cfg.swiglu else 1
+    ffn = cfg.ffn_hidden_size
+    if moe:
+        ffn = cfg.moe.shared_expert_intermediate_size or 0
+    per_layer = (s * b * h * (10 + (8 + 4 * ffn / h * m) / tp) + 5 * a * s * s * b / tp) * elem / 2
+    return per_layer + (moe_mlp_bytes(cfg, micro_batch, tp) if moe else 0)
+
+
+def routed_rows(cfg: TransformerConfig, tokens: int) -> int:
+    """Token copies (rows) one rank's experts take per MoE layer: the k copies of each of its tokens, exchanged
+    one for one over the expert-parallel ranks when the routing is even (dropless); with a capacity factor at
+    most E x the capacity of an expert, whatever the routing."""
+    moe = cfg.moe
+    capacity = moe.capacity(tokens)
+    return tokens * moe.router_topk if capacity is None else moe.num_experts * capacity
+
+
+def moe_mlp_bytes(cfg: TransformerConfig, micro_batch: int, tp: int) -> float:
+    """The experts' activations of one MoE layer: every routed row as dispatched (h elements) and the expert's
+    hidden layer (fc1's output and its activation, 2*F*m/t elements, as the dense MLP's term), and the router's
+    fp32 logits and probabilities (2*E per token)."""
+    tokens = cfg.seq_length * micro_batch
+    moe = cfg.moe
+    f = moe.expert_ffn_hidden_size(cfg.ffn_hidden_size)
+    m = 2 if cfg.swiglu else 1
+    rows = routed_rows(cfg, tokens)
+    return rows * (cfg.hidden_size + 2 * f * m / tp) * cfg.params_dtype.itemsize + tokens * 2 * moe.num_experts * 4
+
+
+def activation_bytes(cfg: TransformerConfig, micro_batch: int, tp: int, layers: int, in_flight: int,
+                     recompute: bool, moe_layers: int = 0) -> int:
+    """Activations one rank keeps for backward over ``layers`` layers, ``moe_layers`` of them MoE
+    (layer_activation_bytes). With full recompute only each recompute block's input (s*b*h elements) stays,
+    plus one block's working set while it is recomputed. A 1F1B pipeline stage holds ``in_flight``
+    micro-batches.
+    """
+    s, b, h = cfg.seq_length, micro_batch, cfg.hidden_size
+    dense = layer_activation_bytes(cfg, micro_batch, tp) if layers > moe_layers else 0.0
+    moe = layer_activation_bytes(cfg, micro_batch, tp, moe=True) if moe_layers else 0.0
+    elem = cfg.params_dtype.itemsize
     if not recompute:
-        return int(in_flight * layers * per_layer)
+        return int(in_flight * ((layers - moe_layers) * dense + moe_layers * moe))
     k = min(cfg.recompute_num_layers, layers) if layers else 0
     blocks = -(-layers // k) if k else 0
-    return int(in_flight * blocks * s * b * h * elem + k * per_layer)
+    return int(in_flight * blocks * s * b * h * elem + k * max(dense, moe))
 
 
 def non_state(cfg: TransformerConfig, mesh: Mesh, stage: StageModel, plans: list[ChunkPlan], *,
@@ -85,7 +120,8 @@ def non_state(cfg: TransformerConfig, mesh: Mesh, stage: StageModel, plans: list
     # max_param_reduce_events reductions in flight, one chunk accumulating, one parameter's gradient.
     reduce = min(sum(c.padded for c in plans), 3 * largest) * elem
     in_flight = mesh.pp - stage.stage
-    acts = {rc: activation_bytes(cfg, micro_batch, mesh.tp, stage.num_layers, in_flight, rc) for rc in (False, True)}
+    acts = {rc: activation_bytes(cfg, micro_batch, mesh.tp, stage.num_layers, in_flight, rc, stage.moe_layers)
+            for rc in (False, True)}
     if cpu:
         acts[True] += int(CPU_HEAP_PER_RECOMPUTED_LAYER * in_flight * stage.num_layers * cfg.seq_length * micro_batch
                           * cfg.hidden_size * elem)

@@ -7,7 +7,8 @@ parameters go through ``zero_cache.partition.plan_chunks`` / ``plan_sub_groups``
 ``zero_cache.placement.place_states`` with the config and budgets the planner writes, so the bytes per
 tier are what ``engine.memory_report()`` reports. Memory that is not model state is estimated
 (non_state.py): gathered parameters, gradient reduce buffers, activations, the loss's logits and a
-per-process runtime overhead.
+per-process runtime overhead. A mixture of experts plans the same way: its experts are a param group of
+their own, sharded over the expert-data-parallel group (stages.py).
 
 Choice, fastest first: offload none; optimizer and parameters in host memory; the same with what the host
 cannot hold spilled to SSD; everything on SSD. Within each: one transformer layer per chunk, then one
@@ -29,8 +30,7 @@ import torch
 
 from megatron.core.transformer_config import TransformerConfig
 from ptm_planner.non_state import CPU_OVERHEAD, CUDA_OVERHEAD, GiB, NonState, RuntimeOverhead, non_state
-from ptm_planner.sizes import SIZES
-from ptm_planner.stages import Mesh, StageModel, build_stage, representative_stages
+from ptm_planner.stages import EXPERT_GROUP, Mesh, StageModel, build_stage, representative_stages
 from ptm_planner.step_time import Speeds, StepBreakdown, StepWork, balanced_rate, predict
 from zero_cache.aio import HEADER_BYTES, round_up
 from zero_cache.config import ZeroCacheConfig, ZeroConfigError, parse_config
@@ -160,6 +160,7 @@ def ds_config(request: Request, option: Option, arena: int, budgets: dict[str, i
 class StateAccount:
     """Bytes of model state one rank allocates, per (kind, tier), as engine.memory_report() counts them."""
     by_kind_tier: dict[tuple[str, str], int]
+    expert_by_tier: dict[str, int]  # of those, the states of the experts' chunks (ptm_planner.stages.EXPERT_GROUP)
     staging: int  # host bytes reserved for SSD staging buffers (optimizer pipeline + parameter reads)
     nvme_disk: int  # disk bytes of the page files (4 KiB header + payload rounded up to 4 KiB)
     opt_tiers: list[str]  # optimizer tier of every chunk
@@ -182,14 +183,17 @@ def account_states(plans: list[ChunkPlan], sub_groups: list[list[int]], cfg: Zer
     placed = place_states(plans, sub_groups, cfg, dtype, device,
                           {DEVICE: unlimited, HOST: host_budget, NVME: unlimited})
     by_kind_tier: dict[tuple[str, str], int] = {}
+    experts = dict.fromkeys(TIERS, 0)
     disk = 0
-    for layout in placed.layouts:
+    for plan, layout in zip(plans, placed.layouts):
         for s in layout:
             by_kind_tier[(s.kind, s.tier)] = by_kind_tier.get((s.kind, s.tier), 0) + s.nbytes
+            if plan.group == EXPERT_GROUP:
+                experts[s.tier] += s.nbytes
             if s.tier == NVME:
                 disk += HEADER_BYTES + round_up(s.nbytes)
     cached = sum(1 for sg in sub_groups if placed.opt_tiers[sg[0]] == DEVICE)
-    return StateAccount(by_kind_tier, placed.staging, disk, placed.opt_tiers, len(sub_groups), cached)
+    return StateAccount(by_kind_tier, experts, placed.staging, disk, placed.opt_tiers, len(sub_groups), cached)
 
 
 # ---- one candidate, all stages -----------------------------------------------------------------------
@@ -199,6 +203,7 @@ class StagePlan:
     numel: int
     states: StateAccount
     nonstate: NonState
+    model: StageModel | None = None  # the stage's parameters (its MoE layers and experts)
 
     def need(self) -> dict[str, int]:
         """Bytes this rank needs per tier: states, and the non-state memory of the tier it lives in."""
@@ -230,7 +235,8 @@ class Planner:
         self.request = request
         self.device = torch.device(request.hardware.device)
         self.cpu = request.hardware.device == "cpu"
-        self.stages = [build_stage(request.model, request.mesh, s) for s in representative_stages(request.mesh.pp)]
+        self.stages = [build_stage(request.model, request.mesh, s)
+                       for s in representative_stages(request.model, request.mesh.pp)]
         # Page sizes, largest first: one transformer layer per chunk, else one matrix (least gathered memory).
         self.pages = sorted({max(s.layer_weights for s in self.stages), max(s.layer_matrix for s in self.stages)},
                             reverse=True)
@@ -245,7 +251,8 @@ class Planner:
             mesh = self.request.mesh
             self._plans[page] = [plan_chunks(s.named, s.group_of, stage=3, page_numel=page, dp_size=mesh.dp,
                                              persistence_threshold=persistence_threshold(self.request.model),
-                                             isolated=s.isolated) for s in self.stages]
+                                             isolated=s.isolated, group_dp_sizes=mesh.group_dp_sizes())
+                                 for s in self.stages]
         return self._plans[page]
 
     def sub_groups(self, page: int, i: int, size: int) -> list[list[int]]:
@@ -338,7 +345,7 @@ class Planner:
                             for p, sg in zip(plans, sgs)]
             except ZeroConfigError:
                 failures.append(self._host_failure(cap, budgets[HOST]))
-        stages = [StagePlan(s.stage, s.numel, a, ns) for s, a, ns in zip(self.stages, accounts, nonstate)]
+        stages = [StagePlan(s.stage, s.numel, a, ns, s) for s, a, ns in zip(self.stages, accounts, nonstate)]
         host_states = max(a.by_tier[HOST] + a.staging for a in accounts)
         disk = max(a.nvme_disk for a in accounts)
         if self.cpu:
@@ -406,8 +413,9 @@ class Planner:
         elems = {t: sum(p.shard for p in plans if tiers[p.index] == t) for t in TIERS}
         resident_away = sum(p.shard for p in plans if p.resident and tiers[p.index] != DEVICE)
         cfg = self.request.model
-        flops = 6 * st.numel * ev.option.micro_batch_size * cfg.seq_length * steps * (4 / 3 if ev.option.recompute
-                                                                                         else 1)
+        # 6 x the parameters a token computes with (of an MoE layer: its top-k experts) x tokens.
+        flops = 6 * self.stages[i].active_numel * ev.option.micro_batch_size * cfg.seq_length * steps * (
+            4 / 3 if ev.option.recompute else 1)
         # Host-updated parameters go back to the device unless the parameter shards live on the host anyway
         # (offload_param, then only resident chunks are written back).
         writeback = (elems[HOST] + elems[NVME] if away("params") == 0 else resident_away) * elem
@@ -533,109 +541,14 @@ class Planner:
         return out
 
 
-# ---- the plan -----------------------------------------------------------------------------------------
-@dataclass
-class Plan:
-    request: Request
-    fits: bool
-    chosen: Evaluation  # the chosen option (or the leanest one when nothing fits)
-    num_parameters: int
-    step: StepBreakdown | None = None  # predicted step with the request's speeds (accelerator only)
-    largest_layers: int | None = None  # largest num_layers of this family that fits (None: not computed)
-    largest_parameters: int | None = None
-    largest_size: str | None = None  # largest start.sh size that fits (computed when the request does not)
-    needs: dict[str, dict[str, int]] = field(default_factory=dict)  # option name -> hardware it needs
-
-
+# ---- requests of the same family (ptm_planner.family) ------------------------------------------------
 def with_layers(request: Request, layers: int) -> Request:
     return dataclasses.replace(request, model=dataclasses.replace(request.model, num_layers=layers))
 
 
-def largest_layers(request: Request) -> int:
-    """Largest num_layers (a multiple of the pipeline size) of the request's family that fits; 0 if none.
-
-    Needs grow about linearly with the layers: two secant steps on the leanest option's needs give a
-    first guess, and a galloping search from there finds the exact boundary.
-    """
-    step = request.mesh.pp
-
-    def fits(layers: int) -> bool:
-        return Planner(with_layers(request, layers)).feasible()
-
-    def lean_need(layers: int) -> dict[str, int]:
-        planner = Planner(with_layers(request, layers))
-        return planner.evaluate(planner.leanest()).need  # with the real budgets: what spills is on disk
-
-    def secant(a: int, b: int) -> int:
-        """Layers at which the first resource runs out, on the line through the needs at a and b layers."""
-        na, nb = needs.get(a) or lean_need(a), needs.get(b) or lean_need(b)
-        needs.update({a: na, b: nb})
-        out = [a + (cap[r] - na[r]) * (b - a) // (nb[r] - na[r]) for r in cap if nb[r] > na[r]]
-        return max(step, min(out, default=step) // step * step)
-
-    cap, needs = Planner(with_layers(request, step)).capacity(), {}
-    first = max(2 * step, request.model.num_layers)
-    guess = secant(step, first)
-    start = secant(first, guess) if guess != first else guess
-    if fits(start):
-        lo, d = start, step
-        while fits(lo + d):
-            lo, d = lo + d, 2 * d
-            if lo > 1 << 20:
-                raise ValueError("the planner found no memory limit below 1M layers; check the hardware figures")
-        hi = lo + d
-    else:
-        hi, d = start, step
-        while True:
-            cand = max(step, hi - d)
-            if fits(cand):
-                lo = cand
-                break
-            if cand == step:
-                return 0
-            hi, d = cand, 2 * d
-    while hi - lo > step:  # fits(lo) and not fits(hi)
-        mid = (lo + hi) // 2 // step * step
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
-
-
-def largest_size(request: Request) -> str | None:
-    """The largest size of the start.sh table that fits the request's mesh, sequence, vocabulary and precision."""
-    candidates = []
-    for size in SIZES:
-        try:
-            model = dataclasses.replace(request.model, num_layers=size.num_layers, hidden_size=size.hidden_size,
-                                        num_attention_heads=size.num_attention_heads,
-                                        ffn_hidden_size=size.ffn_hidden_size, kv_channels=None, num_query_groups=None)
-        except ValueError:
-            continue
-        if size.num_layers % request.mesh.pp == 0 and size.num_attention_heads % request.mesh.tp == 0:
-            candidates.append((model.num_parameters(), size.name, model))
-    for _, name, model in sorted(candidates, key=lambda c: c[0], reverse=True):
-        if Planner(dataclasses.replace(request, model=model)).feasible():
-            return name
-    return None
-
-
-def plan(request: Request, largest: int | None = None) -> Plan:
-    """Plan ``request``; when it does not fit, also find the largest of its family (``largest``: known)."""
-    planner = Planner(request)
-    chosen = planner.search()
-    result = Plan(request, chosen.fits, chosen, request.model.num_parameters(), planner.breakdown(chosen))
-    if largest is not None or not chosen.fits:
-        layers = largest if largest is not None else largest_layers(request)
-        result.largest_layers = layers
-        result.largest_parameters = dataclasses.replace(request.model, num_layers=layers).num_parameters() \
-            if layers else 0
-    if not chosen.fits:
-        page = planner.pages[0]
-        fastest = Option("none", page, request.micro_batch_size, request.recompute_forced,
-                         planner.sub_group_sizes(page)[0])
-        result.largest_size = largest_size(request)
-        result.needs = {"no offload": planner.requirements(fastest),
-                        "states on SSD": planner.requirements(dataclasses.replace(planner.leanest(), offload="nvme"))}
-    return result
+def with_experts(request: Request, experts: int) -> Request:
+    moe = dataclasses.replace(request.model.moe, num_experts=experts)
+    return dataclasses.replace(request, model=dataclasses.replace(request.model, moe=moe))
 
 
 # ---- bytes as text -----------------------------------------------------------------------------------

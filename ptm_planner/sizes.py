@@ -5,6 +5,7 @@ exists, so it uses the standard library only):
 
     python3 -m ptm_planner.sizes list          # the table
     python3 -m ptm_planner.sizes row 1.3b      # "layers hidden heads ffn micro-batch" of one size
+    python3 -m ptm_planner.sizes moe-args moe-8x1.3b   # the mixture-of-experts flags of a size (empty if dense)
     python3 -m ptm_planner.sizes seq-length    # the default sequence length of start.sh and the planner
 """
 from __future__ import annotations
@@ -24,14 +25,39 @@ class ModelSize:
     num_attention_heads: int
     ffn_hidden_size: int
     micro_batch_size: int
+    # Mixture of experts (every layer's MLP; None: a dense model): experts, experts per token, each expert's
+    # ffn width and the shared expert's (None: none).
+    num_experts: int | None = None
+    router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    shared_expert_intermediate_size: int | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    def moe_args(self) -> list[str]:
+        """The Megatron-core mixture-of-experts flags of this size (none for a dense one)."""
+        if not self.is_moe:
+            return []
+        out = ["--num-experts", str(self.num_experts), "--moe-router-topk", str(self.router_topk)]
+        if self.moe_ffn_hidden_size is not None:
+            out += ["--moe-ffn-hidden-size", str(self.moe_ffn_hidden_size)]
+        if self.shared_expert_intermediate_size is not None:
+            out += ["--moe-shared-expert-intermediate-size", str(self.shared_expert_intermediate_size)]
+        return out + ["--moe-aux-loss-coeff", "1e-2"]  # load balancing, as Megatron-core's MoE recipes
 
     def megatron_args(self) -> list[str]:
-        """The Megatron-LM model-shape flags of this size."""
+        """The Megatron-LM model-shape flags of this size (with its mixture-of-experts flags)."""
         return ["--num-layers", str(self.num_layers), "--hidden-size", str(self.hidden_size),
-                "--num-attention-heads", str(self.num_attention_heads), "--ffn-hidden-size", str(self.ffn_hidden_size)]
+                "--num-attention-heads", str(self.num_attention_heads), "--ffn-hidden-size", str(self.ffn_hidden_size),
+                *self.moe_args()]
 
 
-# GPT-3 paper shapes (125m .. 13b) and the AngelPTM headline models (28 and 55 billion parameters).
+# GPT-3 paper shapes (125m .. 13b), the AngelPTM headline models (28 and 55 billion parameters) and mixtures of
+# experts: moe-tiny (4 experts, trains on a CPU), moe-8x1.3b (1.3b with 8 copies of its MLP as experts, top-2:
+# 6.9B parameters, 2.1B active) and moe-64e (64 fine-grained experts, top-6, and a shared expert, after
+# DeepSeekMoE 16B: 11.2B parameters, 1.9B active).
 SIZES: tuple[ModelSize, ...] = (
     ModelSize("default", 6, 256, 8, 1024, 4),
     ModelSize("125m", 12, 768, 12, 3072, 8),
@@ -43,6 +69,10 @@ SIZES: tuple[ModelSize, ...] = (
     ModelSize("13b", 40, 5120, 40, 20480, 1),
     ModelSize("28", 26, 8192, 128, 32768, 38),
     ModelSize("55", 68, 8192, 64, 32768, 10),
+    ModelSize("moe-tiny", 4, 256, 8, 1024, 4, num_experts=4, router_topk=2, moe_ffn_hidden_size=512),
+    ModelSize("moe-8x1.3b", 24, 2048, 16, 8192, 4, num_experts=8, router_topk=2),
+    ModelSize("moe-64e", 28, 2048, 16, 8192, 2, num_experts=64, router_topk=6, moe_ffn_hidden_size=1408,
+              shared_expert_intermediate_size=2816),
 )
 
 
@@ -54,9 +84,15 @@ def get_size(name: str) -> ModelSize:
 
 
 def table() -> str:
-    lines = ["sizes (layers hidden heads ffn micro-batch):"]
-    lines += [f"  {s.name:<9} {s.num_layers:<4} {s.hidden_size:<5} {s.num_attention_heads:<5} "
-              f"{s.ffn_hidden_size:<6} {s.micro_batch_size}" for s in SIZES]
+    lines = ["sizes (layers hidden heads ffn micro-batch; mixtures of experts also: experts top-k expert-ffn "
+             "shared-expert-ffn):"]
+    for s in SIZES:
+        row = (f"  {s.name:<10} {s.num_layers:<4} {s.hidden_size:<5} {s.num_attention_heads:<5} "
+               f"{s.ffn_hidden_size:<6} {s.micro_batch_size}")
+        if s.is_moe:
+            row += (f"{'':<4} {s.num_experts:<4} {s.router_topk:<3} {s.moe_ffn_hidden_size or s.ffn_hidden_size:<6} "
+                    f"{s.shared_expert_intermediate_size or '-'}")
+        lines.append(row)
     return "\n".join(lines)
 
 
@@ -76,7 +112,15 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(s.num_layers, s.hidden_size, s.num_attention_heads, s.ffn_hidden_size, s.micro_batch_size)
         return 0
-    print("usage: python3 -m ptm_planner.sizes list | row SIZE | seq-length", file=sys.stderr)
+    if len(argv) == 2 and argv[0] == "moe-args":
+        try:
+            s = get_size(argv[1])
+        except ValueError as e:
+            print(e, file=sys.stderr)
+            return 2
+        print(" ".join(s.moe_args()))
+        return 0
+    print("usage: python3 -m ptm_planner.sizes list | row SIZE | moe-args SIZE | seq-length", file=sys.stderr)
     return 2
 
 

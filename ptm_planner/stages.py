@@ -1,5 +1,10 @@
 """The memory planner's view of a model: each distinct pipeline stage as one rank of the planned mesh sees it,
-built on the meta device exactly as the trainer builds it under --deepspeed (ptm_planner.plan)."""
+built on the meta device exactly as the trainer builds it under --deepspeed (ptm_planner.plan).
+
+A mixture of experts: the rank holds E / EP experts of every MoE layer (the parameters Megatron-core marks
+``allreduce = False``, ``is_expert_param``); they form a param group of their own, sharded by ZeRO over the
+expert-data-parallel group (DP / EP ranks), while every other parameter, the router included, is sharded
+over the whole DP group, as megatron/training/backends/zero.py gives them to the engine."""
 from __future__ import annotations
 
 import contextlib
@@ -11,9 +16,14 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.core import parallel_state as ps
-from megatron.core.parallel_state import mesh_sizes
+from megatron.core.distributed.data_parallel import is_expert_param
+from megatron.core.parallel_state import check_expert_parallel_size, mesh_sizes
 from megatron.core.transformer_config import TransformerConfig
 from megatron.model.gpt_model import GPTModel
+
+# Param groups as the trainer gives them to the engine: matrices (weight decay), biases and norms, experts.
+DECAY_GROUP, NO_DECAY_GROUP, EXPERT_GROUP = 0, 1, 2
+_LAYER = "decoder.layers.0."  # the one transformer layer of a stage built with one
 
 
 @dataclass(frozen=True)
@@ -22,6 +32,7 @@ class Mesh:
     nnodes: int
     tp: int
     pp: int
+    ep: int = 1  # expert-parallel size: splits the experts inside each data-parallel group
 
     @property
     def world(self) -> int:
@@ -30,6 +41,16 @@ class Mesh:
     @property
     def dp(self) -> int:
         return mesh_sizes(self.world, self.tp, self.pp)
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks that hold the same experts: ZeRO shards the expert states over them."""
+        check_expert_parallel_size(self.ep, self.dp)
+        return self.dp // self.ep
+
+    def group_dp_sizes(self) -> list[int]:
+        """Ranks each param group is sharded over (DECAY_GROUP, NO_DECAY_GROUP, EXPERT_GROUP)."""
+        return [self.dp, self.dp, self.expert_dp]
 
 
 @dataclass
@@ -40,12 +61,20 @@ class StageModel:
     group_of: dict[int, int]
     isolated: set[int]
     num_layers: int
-    layer_weights: int  # elements of one transformer layer's matrices on this rank
+    layer_weights: int  # elements of one transformer layer's matrices on this rank (the largest layer)
     layer_matrix: int  # elements of the layer's largest matrix on this rank (the smallest useful page)
+    moe_layers: int = 0  # layers of this stage with an MoE MLP
+    expert_numel: int = 0  # elements of the experts this rank holds (E / EP of each MoE layer)
+    active_expert_numel: int = 0  # of those, what one token computes with: top-k experts of each MoE layer
 
     @property
     def numel(self) -> int:
         return sum(p.numel() for _, p in self.named)
+
+    @property
+    def active_numel(self) -> int:
+        """Parameters one token computes with on this rank (FLOPs): all but the experts, and top-k of those."""
+        return self.numel - self.expert_numel + self.active_expert_numel
 
 
 @contextlib.contextmanager
@@ -63,41 +92,71 @@ def _as_mesh_rank(mesh: Mesh, stage: int):
     rank = stage * mesh.dp * mesh.tp  # Megatron's order: tp fastest, then dp, then pp
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=mesh.world)
     try:
-        ps.initialize_model_parallel(mesh.tp, mesh.pp)
+        ps.initialize_model_parallel(mesh.tp, mesh.pp, expert_model_parallel_size=mesh.ep)
         yield
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
 
 
-def build_stage(model_cfg: TransformerConfig, mesh: Mesh, stage: int) -> StageModel:
-    """The stage's parameters, in the order the trainer's model registers them (fp32, as under --deepspeed).
-
-    The model is built on the meta device with one transformer layer per stage; that layer's parameters
-    are then repeated for the stage's other layers (every layer has the same shapes), so planning a model
-    of thousands of layers costs no more than one of a few.
-    """
-    one_layer = dataclasses.replace(model_cfg, num_layers=mesh.pp, precision="fp32")
+def _one_layer_per_stage(model_cfg: TransformerConfig, mesh: Mesh, stage: int, moe: bool):
+    """The stage's model built with one transformer layer, dense or MoE: its trainable parameters, that layer's
+    (names relative to the layer) and the tied embedding copy it holds (None: none)."""
+    layer_moe = dataclasses.replace(model_cfg.moe, layer_freq=1) if moe else None
+    one_layer = dataclasses.replace(model_cfg, num_layers=mesh.pp, precision="fp32", moe=layer_moe)
     with _as_mesh_rank(mesh, stage), torch.device("meta"):
         module = GPTModel(one_layer)
         shared = module.shared_embedding_weight()
     built = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    prefix = "decoder.layers.0."
-    first = next(i for i, (n, _) in enumerate(built) if n.startswith(prefix))
-    layer = [(n[len(prefix):], p) for n, p in built if n.startswith(prefix)]
+    layer = [(n[len(_LAYER):], p) for n, p in built if n.startswith(_LAYER)]
+    return built, layer, shared
+
+
+def build_stage(model_cfg: TransformerConfig, mesh: Mesh, stage: int) -> StageModel:
+    """The stage's parameters, in the order the trainer's model registers them (fp32, as under --deepspeed).
+
+    The model is built on the meta device with one transformer layer per stage (and once more with an MoE
+    layer, when the model has them); the stage's layers repeat those parameters (every dense layer has the same
+    shapes, and every MoE layer), so planning a model of thousands of layers costs no more than one of a few.
+    """
+    built, dense, shared = _one_layer_per_stage(model_cfg, mesh, stage, moe=False)
+    first = next(i for i, (n, _) in enumerate(built) if n.startswith(_LAYER))
     per_stage = model_cfg.num_layers // mesh.pp
-    layers = [(f"decoder.layers.{j}.{n}", p if j == 0 else nn.Parameter(torch.empty(p.shape, device="meta")))
-              for j in range(per_stage) for n, p in layer]
-    named = built[:first] + layers + built[first + len(layer):]
-    # Param groups exactly as megatron/training/backends/zero.py ZeroBackend gives them to the engine:
-    # group 0 = matrices (weight decay), group 1 = biases and norms; the tied embedding copy of a
-    # pipelined model gets a chunk of its own (tied_param_groups).
-    group_of = {id(p): 0 if p.ndim >= 2 else 1 for _, p in named}
+    is_moe = [model_cfg.is_moe_layer(stage * per_stage + j) for j in range(per_stage)]
+    kinds = {False: dense}
+    if any(is_moe):
+        kinds[True] = _one_layer_per_stage(model_cfg, mesh, stage, moe=True)[1]
+    layers, group_of = [], {}
+    for j, moe in enumerate(is_moe):
+        for n, p in kinds[moe]:
+            q = nn.Parameter(torch.empty(p.shape, device="meta"))
+            layers.append((f"decoder.layers.{j}.{n}", q))
+            group_of[id(q)] = EXPERT_GROUP if is_expert_param(p) else DECAY_GROUP if p.ndim >= 2 else NO_DECAY_GROUP
+    named = built[:first] + layers + built[first + len(dense):]
+    # Param groups as the trainer gives them to the engine (megatron/training/backends/zero.py ZeroBackend):
+    # matrices (weight decay), biases and norms, and the experts over their own shard group; the tied embedding
+    # copy of a pipelined model gets a chunk of its own (tied_param_groups).
+    for _, p in built[:first] + built[first + len(dense):]:
+        group_of[id(p)] = DECAY_GROUP if p.ndim >= 2 else NO_DECAY_GROUP
     isolated = {id(shared)} if shared is not None else set()
-    matrices = [p.numel() for _, p in layer if p.ndim >= 2]
-    return StageModel(stage, named, group_of, isolated, per_stage, sum(matrices), max(matrices))
+    matrices = [[p.numel() for _, p in layer if p.ndim >= 2] for layer in kinds.values()]
+    experts = {moe: sum(p.numel() for _, p in layer if is_expert_param(p)) for moe, layer in kinds.items()}
+    moe_layers = sum(is_moe)
+    expert_numel = moe_layers * experts.get(True, 0)
+    local_experts = model_cfg.moe.num_experts // mesh.ep if moe_layers else 1
+    active = expert_numel // local_experts * model_cfg.moe.router_topk if moe_layers else 0
+    return StageModel(stage, named, group_of, isolated, per_stage, max(map(sum, matrices)), max(map(max, matrices)),
+                      moe_layers, expert_numel, active)
 
 
-def representative_stages(pp: int) -> list[int]:
-    """Pipeline stages with distinct parameter sets: the first, one middle stage, the last."""
-    return sorted({0, min(1, pp - 1), pp - 1})
+def representative_stages(model_cfg: TransformerConfig, pp: int) -> list[int]:
+    """Pipeline stages with distinct parameter sets: the first, the last, and of the middle stages one per
+    pattern of MoE and dense layers (one for a dense model)."""
+    per_stage = model_cfg.num_layers // pp
+    out, patterns = {0, pp - 1}, set()
+    for stage in range(1, pp - 1):
+        pattern = tuple(model_cfg.is_moe_layer(stage * per_stage + j) for j in range(per_stage))
+        if pattern not in patterns:
+            patterns.add(pattern)
+            out.add(stage)
+    return sorted(out)

@@ -6,7 +6,7 @@ import contextlib
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from .harness import BETAS, EPS, BenchSpec, compute_device, param_groups
+from .harness import BETAS, EPS, BenchSpec, compute_device, moe_step_stats, param_groups
 
 
 class DdpTrainer:
@@ -18,8 +18,10 @@ class DdpTrainer:
             raise ValueError(f"DDP is the fp32 loss reference; it does not run {spec.dtype}")
         device = compute_device(spec)
         model = model.to(device)
+        self.module = model
         self.model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         self.gas, self.clip = gas, spec.clip_grad
+        model.set_moe_aux_loss_scale(1.0 / gas)  # a mixture of experts' balancing losses: the loss's factor below
         self.optimizer = torch.optim.AdamW(param_groups(model, spec.weight_decay), lr=spec.lr, betas=BETAS, eps=EPS,
                                            fused=True)
 
@@ -32,3 +34,6 @@ class DdpTrainer:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
+
+    def step_stats(self) -> dict:
+        return moe_step_stats(self.module)

@@ -191,6 +191,21 @@ class BenchSpec:
     dtype: str = "fp32"  # fp32 | bf16: the compute precision; masters and optimizer states stay fp32
     # Steps after the timed ones run under torch.profiler; the trace's copy/compute overlap goes into the result.
     profile_steps: int = 0
+    # The MLP and mixture of experts (benchmarks/moe_vs_peers.py, max_scale_moe.py); the defaults are the dense
+    # GeLU GPT of the other benchmarks. ffn_hidden 0: 4 x hidden.
+    ffn_hidden: int = 0
+    swiglu: bool = False
+    num_experts: int = 0  # 0: dense; else every layer's MLP is a mixture of this many experts
+    moe_topk: int = 2
+    moe_ffn_hidden: int = 0  # each expert's width (0: ffn_hidden)
+    moe_aux_loss_coeff: float = 0.0
+    expert_parallel: int = 1  # ranks that split the experts (--expert-model-parallel-size)
+    # The DeepSpeed JSON's ZeRO stage: 3, or 2 (DeepSpeed's native MoE refuses stage 3; offload is then of the
+    # optimizer states only, stage 2 having no parameter offload).
+    zero_stage: int = 3
+    # The synthetic tokens' law (with mock_data_vocab 0): zipf (a Zipf-like unigram law, learnable) or uniform
+    # (every id equally likely: a mixture of experts' router then starts near an even load).
+    token_law: str = "zipf"
 
     @classmethod
     def load(cls, path: str) -> "BenchSpec":
@@ -208,9 +223,10 @@ class BenchSpec:
         return self.global_batch // (self.micro_batch * world)
 
     def ds_config(self, world: int, offload: bool) -> dict:
-        """The one DeepSpeed-style JSON both ZeRO-3 engines (ours and DeepSpeed) are given."""
-        zero: dict = {"stage": 3, "allgather_bucket_size": self.page_size, "sub_group_size": self.sub_group_size,
-                      **self.zero_keys}
+        """The one DeepSpeed-style JSON both ZeRO-3 engines (ours and DeepSpeed) are given; at ``zero_stage`` 2,
+        DeepSpeed-MoE's (moe_vs_peers.py)."""
+        stage3 = {"sub_group_size": self.sub_group_size} if self.zero_stage == 3 else {}
+        zero: dict = {"stage": self.zero_stage, "allgather_bucket_size": self.page_size, **stage3, **self.zero_keys}
         if offload:
             # Pinned host buffers only where there is a bus to copy over: a GPU's DMA needs them, a CPU run
             # would only lock pages.
@@ -218,11 +234,16 @@ class BenchSpec:
             if self.offload_device == "nvme":
                 where["nvme_path"] = self.nvme_path
             zero["offload_optimizer"] = dict(where)
+            if self.zero_stage < 3:  # stages 1-2 shard no parameters, so they have none to offload
+                return self._ds_json(world, zero)
             zero["offload_param"] = dict(where)
             if self.param_buffer_size:
                 zero["offload_param"]["buffer_size"] = self.param_buffer_size
             if self.param_max_in_cpu >= 0:
                 zero["offload_param"]["max_in_cpu"] = self.param_max_in_cpu
+        return self._ds_json(world, zero)
+
+    def _ds_json(self, world: int, zero: dict) -> dict:
         precision = {"bf16": {"enabled": True}} if self.dtype == "bf16" else {}
         return {
             **precision,
@@ -255,17 +276,28 @@ def build_model(spec: BenchSpec, precision: str = "fp32") -> torch.nn.Module:
     same weights (seeded by name). A system that builds the model its own way (sharded while it is created)
     wraps this call; one that keeps fp32 masters and casts for compute (FSDP2, DDP) takes the fp32 default."""
     from megatron.core import parallel_state as ps
-    from megatron.core.transformer_config import TransformerConfig
     from megatron.model.gpt_model import GPTModel
 
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(1, 1, timeout=COLLECTIVE_TIMEOUT)
-    cfg = TransformerConfig(num_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
-                            seq_length=spec.seq, padded_vocab_size=spec.vocab, hidden_dropout=0.0,
-                            attention_dropout=0.0, seed=spec.seed,
-                            untie_embeddings_and_output_weights=spec.untie_embeddings,
-                            recompute_granularity="full" if spec.recompute else None, precision=precision)
-    return GPTModel(cfg)
+    return GPTModel(model_config(spec, precision))
+
+
+def model_config(spec: BenchSpec, precision: str = "fp32"):
+    """The TransformerConfig of the spec's GPT (with its mixture of experts, if any)."""
+    from megatron.core.moe.config import MoEConfig
+    from megatron.core.transformer_config import TransformerConfig
+
+    moe = None
+    if spec.num_experts:
+        moe = MoEConfig(num_experts=spec.num_experts, router_topk=spec.moe_topk,
+                        ffn_hidden_size=spec.moe_ffn_hidden or None, aux_loss_coeff=spec.moe_aux_loss_coeff)
+    return TransformerConfig(num_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
+                             ffn_hidden_size=spec.ffn_hidden or None, swiglu=spec.swiglu,
+                             seq_length=spec.seq, padded_vocab_size=spec.vocab, hidden_dropout=0.0,
+                             attention_dropout=0.0, seed=spec.seed,
+                             untie_embeddings_and_output_weights=spec.untie_embeddings,
+                             recompute_granularity="full" if spec.recompute else None, precision=precision, moe=moe)
 
 
 def compute_device(spec: BenchSpec) -> torch.device:
@@ -276,8 +308,9 @@ def compute_device(spec: BenchSpec) -> torch.device:
 
 
 def synthetic_tokens(spec: BenchSpec) -> torch.Tensor:
-    """[steps, global batch, seq + 1] tokens drawn from a Zipf-like unigram law (learnable, so the loss moves),
-    or the trainer's mock samples (``spec.mock_data_vocab``); profiled steps come after the timed ones."""
+    """[steps, global batch, seq + 1] tokens drawn from a Zipf-like unigram law (learnable, so the loss moves) or
+    uniformly (``spec.token_law``), or the trainer's mock samples (``spec.mock_data_vocab``); profiled steps come
+    after the timed ones."""
     total = spec.warmup + spec.steps + spec.profile_steps
     if spec.mock_data_vocab:
         from megatron.data.mock_dataset import MockGPTDataset
@@ -287,10 +320,22 @@ def synthetic_tokens(spec: BenchSpec) -> torch.Tensor:
         data = MockGPTDataset("train", n, spec.seq, spec.mock_data_vocab + 1, spec.seed, eod=spec.mock_data_vocab)
         return torch.stack([torch.from_numpy(data[i]["text"]) for i in range(n)]).view(
             total, spec.global_batch, spec.seq + 1)
-    weights = 1.0 / torch.arange(1, spec.vocab + 1, dtype=torch.float64)
     n = total * spec.global_batch * (spec.seq + 1)
     g = torch.Generator().manual_seed(spec.seed)
+    if spec.token_law == "uniform":
+        return torch.randint(0, spec.vocab, (total, spec.global_batch, spec.seq + 1), generator=g)
+    if spec.token_law != "zipf":
+        raise ValueError(f"token_law {spec.token_law!r}: use zipf or uniform")
+    weights = 1.0 / torch.arange(1, spec.vocab + 1, dtype=torch.float64)
     return torch.multinomial(weights, n, replacement=True, generator=g).view(total, spec.global_batch, spec.seq + 1)
+
+
+def moe_step_stats(model: torch.nn.Module) -> dict:
+    """Our GPT's mixture-of-experts statistics since the last call, on this rank: the balancing loss (times its
+    coefficient, averaged over layers and micro-batches) and the most and least imbalanced layer's load (max /
+    mean choices per expert); {} for a dense model."""
+    stats = getattr(model, "moe_stats", None)
+    return stats.reduce_and_reset(None, torch.device("cpu")) if stats is not None else {}
 
 
 class PeakRss:
@@ -367,10 +412,12 @@ def run(spec: BenchSpec, system: str, make_trainer: Callable[[torch.nn.Module, B
         return total.item() / (gas * world)  # .item() waits for the GPU: the step's time includes its kernels
 
     partial = os.path.join(out_dir, f"partial_rank{rank}.json")
+    stats = []  # per step, what the trainer says about it (a mixture of experts: balancing loss, load)
     for s in range(timed):
         t0 = time.perf_counter()
         losses.append(step(s))
         step_s.append(time.perf_counter() - t0)
+        stats.append(trainer.step_stats() if hasattr(trainer, "step_stats") else {})
         # The steps so far, rewritten after each one: a job killed at its time limit still has figures.
         with open(partial, "w", encoding="utf-8") as f:
             json.dump({"step_s": step_s, "losses": losses, "peak_rss": rss.peak,
@@ -391,7 +438,7 @@ def run(spec: BenchSpec, system: str, make_trainer: Callable[[torch.nn.Module, B
                   flush=True)
     dist.barrier()
     result = {"system": system, "rank": rank, "world": world, "setup_s": setup_s, "step_s": step_s,
-              "losses": losses, "peak_rss": rss.stop(), "threads": torch.get_num_threads(),
+              "losses": losses, "step_stats": stats, "peak_rss": rss.stop(), "threads": torch.get_num_threads(),
               "device": str(device), "dtype": spec.dtype, "peak_device_bytes": peak_device, "overlap": overlap}
     with open(os.path.join(out_dir, f"result_rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump(result, f)

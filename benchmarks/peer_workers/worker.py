@@ -1,5 +1,5 @@
-"""One rank of one system's benchmark job; launched under torchrun by ``benchmarks.zero3_vs_peers`` and
-``benchmarks.max_scale``:
+"""One rank of one system's benchmark job; launched under torchrun by ``benchmarks.zero3_vs_peers``,
+``benchmarks.moe_vs_peers``, ``benchmarks.max_scale`` and ``benchmarks.max_scale_moe``:
 
     torchrun --standalone --nproc-per-node 2 -m benchmarks.peer_workers.worker \
         --impl ours --offload --spec spec.json --out-dir DIR
@@ -19,6 +19,7 @@ from .harness import BenchSpec, PeakRss, build_model, run
 IMPLS = {
     "ours": ("ours", "ZeroCacheTrainer"),
     "deepspeed": ("deepspeed_zero3", "DeepSpeedTrainer"),
+    "deepspeed-moe": ("deepspeed_moe", "DeepSpeedMoETrainer"),
     "fsdp2": ("fsdp2", "Fsdp2Trainer"),
     "ddp": ("ddp", "DdpTrainer"),
 }

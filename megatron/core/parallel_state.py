@@ -1,9 +1,16 @@
-"""Process-group registry for the tensor x data x pipeline mesh.
+"""Process-group registry for the tensor x data x pipeline mesh, with expert parallelism inside data parallelism.
 
 Rank order follows Megatron-LM: tensor-parallel ranks are adjacent (fastest
 varying), then data-parallel, then pipeline stages:
 
     global_rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+Expert parallelism (EP) splits each data-parallel group into blocks of EP
+adjacent data-parallel ranks (Megatron-core's order): within a block the
+experts are divided (``ep_rank = dp_rank % EP``) and tokens travel by
+all-to-all; ranks holding the same experts (``dp_rank // EP`` differs) form the
+expert-data-parallel group, over which expert gradients are reduced. Experts
+are tensor-parallel over the same TP group as the dense layers.
 
 This module holds the only mutable global state of the trainer: the groups are
 created once per process by :func:`initialize_model_parallel` and then looked up.
@@ -33,6 +40,11 @@ class _Groups:
     pp_ranks: list[int] = field(default_factory=list)  # global ranks of this rank's pipeline, stage order
     dp_ranks: list[int] = field(default_factory=list)
     tp_ranks: list[int] = field(default_factory=list)
+    ep: int = 1
+    ep_group: dist.ProcessGroup | None = None  # ranks that split the experts (and exchange tokens)
+    expert_dp_group: dist.ProcessGroup | None = None  # ranks that hold the same experts
+    expert_mp_group: dist.ProcessGroup | None = None  # tp x pp x ep: every rank holding other expert weights
+    ep_ranks: list[int] = field(default_factory=list)
 
 
 _GROUPS: _Groups | None = None
@@ -51,15 +63,24 @@ def mesh_sizes(world_size: int, tensor_model_parallel_size: int, pipeline_model_
     return world_size // (tp * pp)
 
 
+def check_expert_parallel_size(expert_model_parallel_size: int, data_parallel_size: int) -> None:
+    ep = expert_model_parallel_size
+    if ep < 1 or data_parallel_size % ep:
+        raise ParallelConfigError(
+            f"--expert-model-parallel-size {ep} must divide the data-parallel size {data_parallel_size} (experts "
+            "are split inside data parallelism); launch more ranks or choose a divisor")
+
+
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                              timeout: datetime.timedelta | None = None) -> None:
+                              timeout: datetime.timedelta | None = None, expert_model_parallel_size: int = 1) -> None:
     """Create every process group of the mesh. All ranks must call this, in the same order."""
     global _GROUPS
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed must be initialised before initialize_model_parallel()")
     world, rank = dist.get_world_size(), dist.get_rank()
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
     dp = mesh_sizes(world, tp, pp)
+    check_expert_parallel_size(ep, dp)
     kw = {"timeout": timeout} if timeout is not None else {}
 
     def rank_of(p: int, d: int, t: int) -> int:
@@ -88,10 +109,27 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
             if pp > 1:
                 make("emb", [rank_of(0, d, t), rank_of(pp - 1, d, t)])
 
+    if ep > 1:
+        for p in range(pp):
+            for t in range(tp):
+                for block in range(dp // ep):
+                    make("ep", [rank_of(p, block * ep + e, t) for e in range(ep)])
+                for e in range(ep):
+                    make("edp", [rank_of(p, b * ep + e, t) for b in range(dp // ep)])
+        for block in range(dp // ep):
+            make("emp", [rank_of(p, block * ep + e, t) for p in range(pp) for e in range(ep) for t in range(tp)])
+
     emb = found.get("emb", (None, []))[0]
     _GROUPS = _Groups(tp=tp, pp=pp, dp=dp, tp_group=found["tp"][0], dp_group=found["dp"][0],
                       pp_group=found["pp"][0], mp_group=found["mp"][0], embedding_group=emb,
-                      pp_ranks=found["pp"][1], dp_ranks=found["dp"][1], tp_ranks=found["tp"][1])
+                      pp_ranks=found["pp"][1], dp_ranks=found["dp"][1], tp_ranks=found["tp"][1], ep=ep)
+    if ep > 1:
+        _GROUPS.ep_group, _GROUPS.ep_ranks = found["ep"]
+        _GROUPS.expert_dp_group = found["edp"][0]
+        _GROUPS.expert_mp_group = found["emp"][0]
+    else:  # every rank holds every expert: the expert groups are the dense ones
+        _GROUPS.ep_ranks = [rank]
+        _GROUPS.expert_dp_group, _GROUPS.expert_mp_group = _GROUPS.dp_group, _GROUPS.mp_group
 
 
 def model_parallel_is_initialized() -> bool:
@@ -169,3 +207,30 @@ def get_pipeline_model_parallel_next_rank() -> int:
 def get_pipeline_model_parallel_prev_rank() -> int:
     ranks = _g().pp_ranks
     return ranks[(ranks.index(dist.get_rank()) - 1) % len(ranks)]
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return _g().ep
+
+
+def get_expert_model_parallel_rank() -> int:
+    return _g().ep_ranks.index(dist.get_rank())
+
+
+def get_expert_model_parallel_group() -> dist.ProcessGroup | None:
+    """The ranks that split the experts and exchange tokens (None with one such rank)."""
+    return _g().ep_group
+
+
+def get_expert_data_parallel_group() -> dist.ProcessGroup:
+    """The ranks that hold the same experts: their gradients are reduced (and ZeRO-sharded) over it."""
+    return _g().expert_dp_group
+
+
+def get_expert_data_parallel_world_size() -> int:
+    return _g().dp // _g().ep
+
+
+def get_expert_model_parallel_and_model_parallel_group() -> dist.ProcessGroup:
+    """tp x pp x ep: where the expert gradients' squared norm is summed (the dense one over tp x pp)."""
+    return _g().expert_mp_group

@@ -7,6 +7,8 @@ from typing import Callable
 
 import torch
 
+from megatron.core.moe.config import MoEConfig
+
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -28,6 +30,7 @@ class TransformerConfig:
     swiglu: bool = False  # gated (SwiGLU) MLP instead of GeLU
     openai_gelu: bool = False  # GELU's tanh approximation (GPT-2's "gelu_new") instead of the exact erf form
     add_bias_linear: bool = True  # biases in the attention and MLP projections
+    add_qkv_bias: bool = False  # biases in the QKV projection only (Qwen2), whatever add_bias_linear says
     untie_embeddings_and_output_weights: bool = False  # a separate output head instead of the word embedding
     hidden_dropout: float = 0.1  # dropout on the embeddings and the attention / MLP outputs
     attention_dropout: float = 0.1  # dropout on the attention probabilities
@@ -40,6 +43,7 @@ class TransformerConfig:
     # Linear and embedding layers add their weight gradient into the gradient buffer (DDP's main_grad or the ZeRO
     # engine's) themselves: autograd allocates no gradient tensor per matrix or embedding table.
     gradient_accumulation_fusion: bool = True
+    moe: MoEConfig | None = None  # mixture-of-experts MLPs (megatron/core/moe/); None: a dense model
 
     def __post_init__(self):
         defaults = {
@@ -86,26 +90,46 @@ class TransformerConfig:
         """Projections into the residual stream get std / sqrt(2 * layers) (GPT-2 / Megatron)."""
         return self.init_method(name, self.init_method_std / (2.0 * self.num_layers) ** 0.5)
 
-    def num_parameters(self, vocab_size: int | None = None) -> int:
-        """Parameters of the whole (unpartitioned) model."""
-        h, f, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.is_moe_layer(layer, self.num_layers)
+
+    def _mlp_parameters(self, layer: int, active: bool) -> int:
+        """Parameters of one layer's MLP; ``active``: those one token computes with (its top-k experts)."""
+        h, b = self.hidden_size, 1 if self.add_bias_linear else 0
+        mats = 3 if self.swiglu else 2
+        if not self.is_moe_layer(layer):
+            f = self.ffn_hidden_size
+            return (mats - 1) * (h * f + b * f) + f * h + b * h
+        moe = self.moe
+        f = moe.expert_ffn_hidden_size(self.ffn_hidden_size)
+        experts = moe.router_topk if active else moe.num_experts
+        total = experts * mats * h * f + moe.num_experts * h  # bias-free experts, and the router
+        fs = moe.shared_expert_intermediate_size
+        if fs:  # a dense MLP (with the dense layers' biases), and its gate
+            total += (mats - 1) * (h * fs + b * fs) + fs * h + b * h + (h if moe.shared_expert_gate else 0)
+        return total
+
+    def num_parameters(self, vocab_size: int | None = None, *, active: bool = False) -> int:
+        """Parameters of the whole (unpartitioned) model; ``active``: only the top-k experts of each MoE layer
+        count (what a token computes with)."""
+        h, L = self.hidden_size, self.num_layers
         v = vocab_size or self.padded_vocab_size
         d, nq, ng = self.kv_channels, self.num_attention_heads, self.num_query_groups
         b = 1 if self.add_bias_linear else 0
-        attn = h * (nq + 2 * ng) * d + b * (nq + 2 * ng) * d + nq * d * h + b * h
-        mlp = (2 if self.swiglu else 1) * (h * f + b * f) + f * h + b * h
+        qkv_b = 1 if (self.add_bias_linear or self.add_qkv_bias) else 0
+        attn = h * (nq + 2 * ng) * d + qkv_b * (nq + 2 * ng) * d + nq * d * h + b * h
         norms = 2 * h * (2 if self.normalization == "LayerNorm" else 1)
-        per_layer = attn + mlp + norms
+        layers = sum(attn + norms + self._mlp_parameters(i, active) for i in range(L))
         emb = v * h + (self.max_position_embeddings * h if self.position_embedding_type == "learned_absolute" else 0)
         head = v * h if self.untie_embeddings_and_output_weights else 0
         final_norm = h * (2 if self.normalization == "LayerNorm" else 1)
-        return L * per_layer + emb + head + final_norm
+        return layers + emb + head + final_norm
 
     def flops_per_token(self) -> float:
-        """Model FLOPs (forward + backward, no recompute) per token: 6 x matmul params + attention scores."""
+        """Model FLOPs (forward + backward, no recompute) per token: 6 x active matmul params + attention scores."""
         h = self.hidden_size
         pos = self.max_position_embeddings * h if self.position_embedding_type == "learned_absolute" else 0
         lookup_only = self.padded_vocab_size * h if self.untie_embeddings_and_output_weights else 0
-        matmul_params = self.num_parameters() - pos - lookup_only
+        matmul_params = self.num_parameters(active=True) - pos - lookup_only
         attention = 12 * self.num_layers * self.seq_length * self.num_attention_heads * self.kv_channels
         return 6.0 * matmul_params + attention

@@ -14,6 +14,8 @@ from torch import nn
 
 from megatron.core import parallel_state as ps
 from megatron.core.deferred_init import init_or_defer
+from megatron.core.moe.aux_loss import AuxLossScale, MoEStats
+from megatron.core.moe.router import TopKRouter
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
     RNGStatesTracker,
@@ -89,9 +91,15 @@ class GPTModel(nn.Module):
                                      ps.get_pipeline_model_parallel_rank())
         self.input_tensor: torch.Tensor | None = None
 
+        # Mixture of experts: the factor of the auxiliary losses' backward (set per step by the schedule) and
+        # the layers' loss and load statistics (read by the log line).
+        self.moe_aux_loss_scale = AuxLossScale()
+        self.moe_stats = MoEStats(config.num_layers, config.moe.num_experts) if config.moe is not None else None
+
         if self.pre_process:
             self.embedding = Embedding(config)
-        self.decoder = TransformerBlock(config, offset, count, rng_tracker)
+        self.decoder = TransformerBlock(config, offset, count, rng_tracker, self.moe_aux_loss_scale,
+                                        self.moe_stats)
         if self.post_process:
             self.final_layernorm = build_norm(config)
             tied = not config.untie_embeddings_and_output_weights
@@ -113,6 +121,13 @@ class GPTModel(nn.Module):
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """Activations received from the previous stage (ignored on the first stage)."""
         self.input_tensor = tensor
+
+    def set_moe_aux_loss_scale(self, scale: float) -> None:
+        """The factor the schedule multiplies the language-model loss by before backward (aux_loss.py)."""
+        self.moe_aux_loss_scale.value = scale
+
+    def moe_routers(self) -> list[TopKRouter]:
+        return [m for m in self.modules() if isinstance(m, TopKRouter)]
 
     def shared_embedding_weight(self) -> nn.Parameter | None:
         """The word-embedding copy this stage holds that must stay tied to the other end of the pipeline."""

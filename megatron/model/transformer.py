@@ -15,7 +15,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megatron.core import parallel_state as ps
-from megatron.core.deferred_init import defer_norm
+from megatron.core.deferred_init import defer_norm, init_or_defer
+from megatron.core.moe.aux_loss import AuxLossScale, MoEStats
+from megatron.core.moe.layer import MoELayer
 from megatron.core.tensor_parallel import ColumnParallelLinear, RNGStatesTracker, RowParallelLinear, divide
 from megatron.core.transformer_config import TransformerConfig
 from megatron.model.rotary import apply_rotary
@@ -39,7 +41,8 @@ class Attention(nn.Module):
         self.q_per_group = config.num_attention_heads // config.num_query_groups
         qkv_out = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
         fusion = config.gradient_accumulation_fusion
-        self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_out, bias=config.add_bias_linear,
+        self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_out,
+                                               bias=config.add_bias_linear or config.add_qkv_bias,
                                                init_method=config.init_method(prefix + "linear_qkv.weight"),
                                                gradient_accumulation_fusion=fusion)
         self.linear_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
@@ -70,9 +73,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: TransformerConfig, prefix: str):
+    def __init__(self, config: TransformerConfig, prefix: str, ffn_hidden_size: int | None = None):
         super().__init__()
-        h, f, bias = config.hidden_size, config.ffn_hidden_size, config.add_bias_linear
+        h, bias = config.hidden_size, config.add_bias_linear
+        f = ffn_hidden_size or config.ffn_hidden_size
         self.swiglu = config.swiglu
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
         fusion = config.gradient_accumulation_fusion
@@ -95,17 +99,51 @@ class MLP(nn.Module):
         return self.linear_fc2(hidden)
 
 
+class SharedExpertMLP(MLP):
+    """The MoE layer's shared expert: a dense MLP every token goes through, optionally scaled by a learned
+    sigmoid gate (``gate_weight`` [1, hidden], Qwen-MoE's shared_expert_gate)."""
+
+    def __init__(self, config: TransformerConfig, prefix: str):
+        super().__init__(config, prefix, config.moe.shared_expert_intermediate_size)
+        self.gated = config.moe.shared_expert_gate
+        if self.gated:
+            self.gate_weight = nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype))
+            init = config.init_method(prefix + "gate_weight")
+
+            def make() -> torch.Tensor:
+                t = torch.empty(1, config.hidden_size, dtype=torch.float32)
+                init(t)
+                return t
+            init_or_defer(self.gate_weight, make)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return torch.sigmoid(F.linear(x, self.gate_weight)) * out if self.gated else out
+
+
+def build_mlp(config: TransformerConfig, prefix: str, layer_number: int, aux_loss_scale: AuxLossScale | None,
+              moe_stats: MoEStats | None) -> nn.Module:
+    """The layer's MLP: dense, or mixture-of-experts on the layers ``config.moe`` picks."""
+    if not config.is_moe_layer(layer_number):
+        return MLP(config, prefix)
+    shared = SharedExpertMLP(config, prefix + "shared_experts.") if config.moe.shared_expert_intermediate_size \
+        else None
+    return MoELayer(config, prefix, layer_number, shared_expert=shared, aux_loss_scale=aux_loss_scale,
+                    stats=moe_stats)
+
+
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(x)))."""
 
-    def __init__(self, config: TransformerConfig, layer_number: int, rng_tracker: RNGStatesTracker | None):
+    def __init__(self, config: TransformerConfig, layer_number: int, rng_tracker: RNGStatesTracker | None,
+                 aux_loss_scale: AuxLossScale | None = None, moe_stats: MoEStats | None = None):
         super().__init__()
         prefix = f"decoder.layers.{layer_number}."
         self.layer_number = layer_number  # global index, 0-based
         self.input_layernorm = build_norm(config)
         self.self_attention = Attention(config, prefix + "self_attention.", rng_tracker)
         self.pre_mlp_layernorm = build_norm(config)
-        self.mlp = MLP(config, prefix + "mlp.")
+        self.mlp = build_mlp(config, prefix + "mlp.", layer_number, aux_loss_scale, moe_stats)
         self.hidden_dropout = config.hidden_dropout
 
     def forward(self, x, attention_mask, rotary):
@@ -139,11 +177,13 @@ class TransformerBlock(nn.Module):
     """The layers of one pipeline stage, with optional full activation recompute."""
 
     def __init__(self, config: TransformerConfig, layer_offset: int, num_layers: int,
-                 rng_tracker: RNGStatesTracker | None):
+                 rng_tracker: RNGStatesTracker | None, aux_loss_scale: AuxLossScale | None = None,
+                 moe_stats: MoEStats | None = None):
         super().__init__()
         self.config, self.rng_tracker = config, rng_tracker
         self.layers = nn.ModuleList(
-            TransformerLayer(config, layer_offset + i, rng_tracker) for i in range(num_layers))
+            TransformerLayer(config, layer_offset + i, rng_tracker, aux_loss_scale, moe_stats)
+            for i in range(num_layers))
 
     def _run(self, start: int, end: int):
         def run(x, attention_mask, rotary):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from megatron.core.moe.config import MoEConfig
 from megatron.core.optimizer.config import OptimizerConfig
 from megatron.core.transformer_config import TransformerConfig
 from megatron.data.config import DataConfig
@@ -54,6 +55,7 @@ class ModelConfig:
     swiglu: bool = False  # gated (SwiGLU) MLP instead of GeLU
     openai_gelu: bool = False  # GELU's tanh approximation (GPT-2's gelu_new) instead of the exact form
     add_bias_linear: bool = True  # biases in the attention and MLP projections
+    add_qkv_bias: bool = False  # biases on the QKV projection only (Qwen2)
     untie_embeddings_and_output_weights: bool = False  # a separate output head instead of the word embedding
     hidden_dropout: float = 0.1  # dropout on the embeddings and the attention / MLP outputs
     attention_dropout: float = 0.1  # dropout on the attention probabilities
@@ -65,6 +67,7 @@ class ModelConfig:
     seed: int = 1234  # weights are initialised from (seed, parameter name)
     gradient_accumulation_fusion: bool = True  # linear/embedding layers add weight gradients into the buffers
     attention_backend: str = "auto"  # scaled_dot_product_attention's kernel (attention_backend.py); not the model's
+    moe: MoEConfig | None = None  # mixture-of-experts MLPs (--num-experts ...); None: dense
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by"):
@@ -86,12 +89,13 @@ class ModelConfig:
             max_position_embeddings=self.max_position_embeddings, position_embedding_type=self.position_embedding_type,
             rotary_base=self.rotary_base, normalization=self.normalization, layernorm_epsilon=self.layernorm_epsilon,
             swiglu=self.swiglu, openai_gelu=self.openai_gelu, add_bias_linear=self.add_bias_linear,
+            add_qkv_bias=self.add_qkv_bias,
             untie_embeddings_and_output_weights=self.untie_embeddings_and_output_weights,
             hidden_dropout=self.hidden_dropout, attention_dropout=self.attention_dropout,
             init_method_std=self.init_method_std, precision=self.precision,
             recompute_granularity=self.recompute_granularity, recompute_method=self.recompute_method,
             recompute_num_layers=self.recompute_num_layers, seed=self.seed,
-            gradient_accumulation_fusion=self.gradient_accumulation_fusion)
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion, moe=self.moe)
 
 
 @dataclass(frozen=True)
@@ -106,8 +110,13 @@ class ParallelConfig:
     distributed_timeout_minutes: float  # how long a collective may wait for its peers
     # --rampup-batch-size / --step-batch-size-schedule; None: every step takes global_batch_size samples
     batch_schedule: BatchSchedule | None = None
+    expert_model_parallel_size: int = 1  # ranks that split the experts, inside the data-parallel group
 
     def __post_init__(self):
+        if self.expert_model_parallel_size < 1 or self.data_parallel_size % self.expert_model_parallel_size:
+            raise ValueError(f"--expert-model-parallel-size {self.expert_model_parallel_size} must divide the "
+                             f"data-parallel size {self.data_parallel_size} (experts are split inside data "
+                             "parallelism); launch more ranks or choose a divisor")
         if self.micro_batch_size <= 0:
             raise ValueError(f"--micro-batch-size must be > 0 (got {self.micro_batch_size})")
         per_step = self.micro_batch_size * self.data_parallel_size
@@ -224,6 +233,7 @@ class Config:
             swiglu=model.swiglu, openai_gelu=model.openai_gelu, add_bias_linear=model.add_bias_linear,
             untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
             layernorm_epsilon=model.layernorm_epsilon, rotary_base=model.rotary_base,
+            add_qkv_bias=model.add_qkv_bias, expert_model_parallel_size=self.parallel.expert_model_parallel_size,
             tensor_model_parallel_size=self.parallel.tensor_model_parallel_size,
             pipeline_model_parallel_size=self.parallel.pipeline_model_parallel_size,
             data_parallel_size=self.parallel.data_parallel_size,

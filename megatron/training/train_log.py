@@ -107,7 +107,8 @@ class TrainLogger:
         self.interval.add(loss, skipped, self.gbs if samples is None else samples)
 
     def log(self, iteration: int, consumed_samples: int, lr: float, loss_scale: float, grad_norm: float | None,
-            extra_memory: dict[str, float] | None = None, comm: CommStepStats | None = None) -> str | None:
+            extra_memory: dict[str, float] | None = None, comm: CommStepStats | None = None,
+            moe: dict[str, float] | None = None) -> str | None:
         """Emit the line for the interval ending at ``iteration``; returns it, and the comm line below it when
         ``comm`` (the last step's collectives) is given (on the logging rank)."""
         s, now = self.interval, time.perf_counter()
@@ -131,6 +132,10 @@ class TrainLogger:
         ]
         if grad_norm is not None:
             fields.append(f"grad norm: {grad_norm:.3f}")
+        moe = moe or {}  # MoE routers: the interval's mean auxiliary losses and per-layer load imbalance
+        fields += [f"{key.replace('_', ' ')}: {value:.4E}" for key, value in moe.items() if key.endswith("loss")]
+        if "max_load_imbalance" in moe:
+            fields.append(f"expert load max/mean: {moe['min_load_imbalance']:.2f}-{moe['max_load_imbalance']:.2f}")
         fields += [
             f"number of skipped iterations: {s.skipped:3d}",
             f"number of nan iterations: {s.nan:3d}",
@@ -145,6 +150,7 @@ class TrainLogger:
         if self.writers:
             scalars = {"lm loss": loss, "learning-rate": lr, "loss-scale": loss_scale,
                        "tokens-per-second": tokens_per_s, "TFLOPs": tflops, "grad-norm": grad_norm,
+                       **{f"moe/{key}": value for key, value in moe.items()},
                        **{f"memory/{name} GiB": gib for name, gib in memory.items()}}
             if self.cfg.log_timers:
                 scalars["iteration-time"] = per_iter

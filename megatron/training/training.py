@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
+from megatron.core.moe.router import update_expert_bias
 from megatron.core.pipeline_parallel import p2p_communication as p2p
 from megatron.core.pipeline_parallel.schedules import ForwardStepFunc, forward_backward
 from megatron.data import build_pretraining_data_loader
@@ -143,14 +144,18 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
                          is_logging_rank=dist.get_rank() == dist.get_world_size() - 1, log=cfg.log,
                          run_config=dict(cfg.flags))
     if logger.is_logging_rank:
-        print(f"> model: {model_cfg.num_parameters() / 1e6:.2f}M parameters, mesh TP={par.tensor_model_parallel_size} "
-              f"PP={par.pipeline_model_parallel_size} DP={par.data_parallel_size}, {par.num_microbatches} "
+        active = (f" ({model_cfg.num_parameters(active=True) / 1e6:.2f}M active per token, "
+                  f"EP={par.expert_model_parallel_size})" if model_cfg.moe is not None else "")
+        print(f"> model: {model_cfg.num_parameters() / 1e6:.2f}M parameters{active}, mesh "
+              f"TP={par.tensor_model_parallel_size} PP={par.pipeline_model_parallel_size} DP={par.data_parallel_size}, "
+              f"{par.num_microbatches} "
               f"micro-batches of {par.micro_batch_size} per step, starting at iteration {iteration}", flush=True)
     ck = cfg.checkpoint
     exits = ExitConditions(signal_handler=exit_signal or False, duration_mins=t.exit_duration_in_mins,
                            save_interval_mins=ck.save_interval_minutes, group=checkpoints.group)
     housekeeping = Housekeeping(cfg.housekeeping, device, dist.get_rank())
     result = TrainResult(iteration=iteration, model=model, backend=backend)
+    routers = model.moe_routers()
     backend.model.train()
     last_grad_norm = None
     saved_at = None  # the iteration of the last save
@@ -163,6 +168,7 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
                                     before_update=checkpoints.wait_before_update)
             if step.update_successful:
                 scheduler.step(batch)  # Megatron's schedule counts samples
+            update_expert_bias(routers, ps.get_data_parallel_group())
             iteration += 1
             consumed += batch
             housekeeping.after_step(iteration)
@@ -175,8 +181,9 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
             logger.record(loss, not step.update_successful, batch)
             last_grad_norm = step.grad_norm if step.grad_norm is not None else last_grad_norm
             if iteration % t.log_interval == 0:
+                moe = None if model.moe_stats is None else model.moe_stats.reduce_and_reset(dist.group.WORLD, device)
                 logger.log(iteration, consumed, lr, step.loss_scale, last_grad_norm,
-                           backend.memory_tiers(), comm=backend.comm_stats())
+                           backend.memory_tiers(), comm=backend.comm_stats(), moe=moe)
             if valid_iter is not None and iteration % t.eval_interval == 0:
                 housekeeping.around_eval()
                 logger.log_eval(iteration, evaluate(backend, forward_step_func, valid_iter, spec,

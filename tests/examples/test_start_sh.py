@@ -75,3 +75,71 @@ def test_size_that_cannot_fit_is_refused_before_anything_starts():
     assert "[start.sh] size 55 cannot be trained here (memory planner exit 3); nothing was started" in proc.stdout
     assert "[start.sh] size=" not in proc.stdout and "> model:" not in proc.stdout  # no training was launched
     assert time.monotonic() - t0 < 120
+
+
+def _recording_venv(tmp_path: Path) -> dict[str, str]:
+    """start.sh's environment with a venv whose ``ptm-launch`` writes its arguments, one a line, to $LAUNCHED
+    instead of starting ranks: the table, the plan and the flags are start.sh's own, nothing trains. Its
+    ``python`` is this test's interpreter and refuses pip, so the set-up (bootstrap.sh, which finds this venv's
+    stamp) cannot install anything."""
+    import sys
+
+    stamps = [Path(sys.prefix) / name for name in (".ptm-installed", ".ptm-installed-dev")]
+    stamp = next((p for p in stamps if p.is_file()), None)
+    if stamp is None:
+        pytest.skip(f"{sys.prefix} was not set up by scripts/bootstrap.sh (no stamp)")
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    for name in (".ptm-installed", ".ptm-installed-dev"):  # the same hash either way
+        (venv / name).write_text(stamp.read_text())
+    scripts = {"python": f'[ "$1 $2" = "-m pip" ] && {{ echo "no installs in this test" >&2; exit 1; }}\n'
+                         f'exec "{sys.executable}" "$@"\n',
+               "ptm-launch": 'for a in "$@"; do printf "%s\\n" "$a"; done > "$LAUNCHED"\n'}
+    for name, body in scripts.items():
+        path = venv / "bin" / name
+        path.write_text("#!/usr/bin/env bash\n" + body)
+        path.chmod(0o755)
+    for name in ("corpus.bin", "corpus.idx", "vocab.json", "merges.txt"):  # what the trainer's parser checks exists
+        (tmp_path / name).write_text("")
+    return {"PTM_VENV": str(venv), "LAUNCHED": str(tmp_path / "launched.txt"), "DATA_PATH": str(tmp_path / "corpus"),
+            "VOCAB_FILE": str(tmp_path / "vocab.json"), "MERGE_FILE": str(tmp_path / "merges.txt"),
+            "PLAN_ARGS": "--host-memory-gib 24 --nvme-free-gib 70", "SAVE_DIR": str(tmp_path / "ckpt")}
+
+
+def _flag(words: list[str], flag: str) -> str:
+    return words[len(words) - 1 - words[::-1].index(flag) + 1]  # the last occurrence wins, as in argparse
+
+
+def test_moe_size_plans_and_passes_the_experts_to_the_trainer(tmp_path):
+    """start.sh moe-tiny with EP=2 on 4 processes: the planner plans the mixture of experts with expert
+    parallelism, and the trainer gets the size's MoE flags, EP and the plan's config, flags its parser takes."""
+    from megatron.training.arguments import parse_args
+
+    env = _recording_venv(tmp_path)
+    proc = _run("moe-tiny", env={**env, "NPROC": "4", "EP": "2", "TRAIN_ITERS": "3"}, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    plan = (tmp_path / "ckpt" / "plan" / "plan.txt").read_text()
+    assert re.search(r"^fits: moe-tiny GPT [\d.]+M parameters, [\d.]+M active \(4 layers, hidden 256, 8 heads, "
+                     r"ffn 1024, 4 experts top-2 of ffn 512,", plan, re.M), plan
+    assert "4 experts per MoE layer, 2 on each rank (EP 2), their states sharded over 2 rank(s) (DP 4 / EP 2)" in plan
+    assert re.search(r"^\[start.sh\] size=moe-tiny .*moe: --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size "
+                     r"512 nproc=4 TP=1 PP=1 EP=2 DP=4", proc.stdout, re.M), proc.stdout
+    words = Path(env["LAUNCHED"]).read_text().splitlines()
+    assert words[:3] == ["--num_gpus", "4", "pretrain_gpt.py"]
+    args = words[3:]
+    assert [_flag(args, f) for f in ("--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
+                                     "--expert-model-parallel-size", "--num-layers")] == ["4", "2", "512", "2", "4"]
+    assert _flag(args, "--deepspeed_config") == str(tmp_path / "ckpt" / "plan" / "ds_config.json")
+    cfg = parse_args(args, world_size=4)
+    assert cfg.parallel.expert_model_parallel_size == 2
+    moe = cfg.model.moe
+    assert (moe.num_experts, moe.router_topk, moe.ffn_hidden_size) == (4, 2, 512)
+
+
+def test_expert_parallelism_of_a_dense_size_is_refused_by_the_plan(tmp_path):
+    env = _recording_venv(tmp_path)
+    proc = _run("default", env={**env, "EP": "2"}, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "plan_memory.py: error: --expert-model-parallel-size 2 splits experts; give --num-experts" in proc.stderr
+    assert "[start.sh] size default cannot be trained here (memory planner exit 2); nothing was started" in proc.stdout
+    assert not Path(env["LAUNCHED"]).exists()

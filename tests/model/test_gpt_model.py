@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from megatron.core import parallel_state as ps
+from megatron.core.moe.config import MoEConfig
 from megatron.core.transformer_config import TransformerConfig
 from megatron.data import get_ltor_masks_and_position_ids
 from megatron.model.gpt_model import GPTModel
@@ -50,7 +51,12 @@ def _count(rank, world, kw):
 
 @pytest.mark.parametrize("kw", [{}, {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True,
                                      "add_bias_linear": False, "num_query_groups": 2,
-                                     "untie_embeddings_and_output_weights": True}], ids=["gpt2", "llama-gqa"])
+                                     "untie_embeddings_and_output_weights": True},
+                                {"swiglu": True, "add_qkv_bias": True, "add_bias_linear": False,
+                                 "moe": MoEConfig(4, ffn_hidden_size=24, layer_freq=(0, 1),
+                                                  shared_expert_intermediate_size=16, shared_expert_gate=True)},
+                                {"moe": MoEConfig(4, shared_expert_intermediate_size=16)}],
+                         ids=["gpt2", "llama-gqa", "qwen-moe", "gpt2-moe"])
 def test_parameter_count_formula(kw):
     actual, formula = run_distributed(_count, 1, kw)[0]
     assert actual == formula

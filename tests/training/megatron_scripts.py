@@ -190,10 +190,8 @@ def mds_llama2(tmp: Path) -> list[str]:
 REFUSED_IN_SCRIPTS = [
     (LLAMA3_FP8, "--fp8-format: FP8 training (Transformer Engine) is not implemented here"),
     (LLAMA3_DECOUPLED_LR, "--decoupled-lr: a separate learning rate for the embedding and output layers"),
-    (_mds_moe_options(64) + ["--create-moe-param-group", "--no-pipeline-parallel"],
-     "--num-experts 64: Mixture-of-Experts is not implemented here"),
-    (["--disable-moe-token-dropping", "--num-experts", "128", "128", "--mlp-type", "residual"],
-     "--num-experts 128: Mixture-of-Experts is not implemented here"),
+    (["--disable-moe-token-dropping", "--num-experts", "128", "64"],
+     "--num-experts 128 64: a different expert count per layer (Megatron-DeepSpeed's pyramid MoE)"),
     (["--mos", "--kd-beta-ce", "1", "--num-layers-teacher", "24", "--hidden-size-teacher", "2048",
       "--num-attention-heads-teacher", "16", "--num-experts-teacher", "128", "--load-teacher", "/teacher"],
      "--mos: knowledge distillation"),
@@ -202,6 +200,23 @@ REFUSED_IN_SCRIPTS = [
     (["--use-flash-attn", "--attention-backend", "unfused"], "--use-flash-attn and --attention-backend unfused"),
 ]
 
+def mds_moe_4(tmp: Path) -> list[str]:
+    """examples_deepspeed/MoE/ds_pretrain_gpt_1.3B_MoE128.sh with 4 experts over EP 2 (128 over 64), TP 1,
+    ZeRO stage 0, fp32 here; 2 ranks."""
+    argv = mds_moe_dense_1_3b(tmp)
+    argv[argv.index("--moe-expert-parallel-size"):argv.index("--moe-expert-parallel-size") + 14] = \
+        _mds_moe_options(2)
+    argv[argv.index("--num-experts") + 1] = "4"
+    argv[argv.index("--tensor-model-parallel-size") + 1] = "1"  # TP 1, so that the 2 ranks are EP 2
+    argv.remove("--fp16")
+    argv[argv.index("--deepspeed_config") + 1] = write_json(
+        tmp / "ds_moe_fp32.json", DS_MOE_TEMPLATE,
+        {"CONFIG_BATCH_SIZE": 4, "CONFIG_MBSIZE": 1, "LOG_INTERVAL": 1, "ZERO_STAGE": 0, "PRESCALE_GRAD": True,
+         "CONFIG_FP16_ENABLED": False, "CONFIG_BF16_ENABLED": False, "CONFIG_CL_ENABLED": False, "CONFIG_CL_MIN": 80,
+         "CONFIG_CL_MAX": 16, "CONFIG_CL_DURATION": 10})
+    return argv + ["--create-moe-param-group", "--moe-min-capacity", "4", "--topk", "2"]
+
+
 SCRIPTS = {"gpt3_175b": (gpt3_175b, 2), "gpt3_175b_rampup": (lambda tmp: gpt3_175b(tmp, ramp=True), 2),
            "llama3_8b": (llama3_8b, 2), "mds_gpt_125m": (mds_gpt_125m, 2),
-           "mds_moe_dense_1_3b": (mds_moe_dense_1_3b, 2), "mds_llama2": (mds_llama2, 2)}
+           "mds_moe_dense_1_3b": (mds_moe_dense_1_3b, 2), "mds_moe_4": (mds_moe_4, 2), "mds_llama2": (mds_llama2, 2)}

@@ -45,36 +45,55 @@ def _train_rank(rank: int, world: int, argv: list[str]) -> dict:
             shared = weights[name]  # the last stage's copy of the tied embedding; checked equal separately
             continue
         dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
-        params[_global_name(name, pp_rank, layers // pp)] = (weights[name], dim)
+        expert_dim = getattr(p, "expert_partition_dim", None)  # MoE: EP ranks hold consecutive expert blocks
+        params[_global_name(name, pp_rank, layers // pp)] = (weights[name], dim, expert_dim)
     if shared is None and model.shared_embedding_weight() is not None:
         shared = weights["embedding.word_embeddings.weight"]
-    return {"losses": result.losses, "params": params, "tp": ps.get_tensor_model_parallel_rank(),
-            "dp": ps.get_data_parallel_rank(), "pp": pp_rank, "shared": shared}
+    # Persistent buffers (the MoE routers' expert bias): replicated like the dense weights, compared like them.
+    param_names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    for name, buf in model.state_dict().items():
+        if name not in param_names:
+            params[_global_name(name, pp_rank, layers // pp)] = (buf.detach().float().clone(), None, None)
+    return {"losses": result.losses, "lrs": result.lrs, "params": params, "tp": ps.get_tensor_model_parallel_rank(),
+            "dp": ps.get_data_parallel_rank(), "pp": pp_rank, "shared": shared,
+            "ep": ps.get_expert_model_parallel_rank(), "ep_size": ps.get_expert_model_parallel_world_size()}
 
 
-def train(argv: list[str], world: int, timeout: float = 300) -> tuple[dict[int, float], dict[str, torch.Tensor], list]:
-    """Returns (losses by iteration, full weights by global name, raw per-rank outputs)."""
-    outs = run_distributed(_train_rank, world, argv, timeout=timeout)
+def train(argv: list[str], world: int, timeout: float = 300, rank_fn=None
+          ) -> tuple[dict[int, float], dict[str, torch.Tensor], list]:
+    """Returns (losses by iteration, full weights by global name, raw per-rank outputs). ``rank_fn(rank, world,
+    argv)``: a module-level stand-in for ``_train_rank`` (which it may wrap) returning at least its keys."""
+    outs = run_distributed(rank_fn or _train_rank, world, argv, timeout=timeout)
     losses = next(o["losses"] for o in outs if o["losses"])
     for o in outs:  # every last-stage rank reports the same DP-averaged loss
         if o["losses"]:
             assert o["losses"] == losses
     full: dict[str, torch.Tensor] = {}
     tp_size = max(o["tp"] for o in outs) + 1
+    ep_size = outs[0].get("ep_size", 1)
     for name in {n for o in outs for n in o["params"]}:
         holders = [o for o in outs if name in o["params"]]
-        for dp in {o["dp"] for o in holders}:
+        expert_dim = holders[0]["params"][name][2]
+        by_ep: dict[int, torch.Tensor] = {}  # expert-parallel rank -> its block (everything else: rank 0)
+        for dp in sorted({o["dp"] for o in holders}):
             shards = sorted((o for o in holders if o["dp"] == dp), key=lambda o: o["tp"])
-            tensor, dim = shards[0]["params"][name]
+            tensor, dim, _ = shards[0]["params"][name]
             if dim is None:
                 for s in shards[1:]:  # replicated across TP ranks: must agree
                     torch.testing.assert_close(s["params"][name][0], tensor, rtol=0, atol=0)
             else:
                 assert len(shards) == tp_size
                 tensor = torch.cat([s["params"][name][0] for s in shards], dim=dim)
-            if name in full:  # data-parallel replicas must agree
-                torch.testing.assert_close(tensor, full[name], rtol=0, atol=0)
-            full[name] = tensor
+            ep = shards[0]["ep"] if expert_dim is not None else 0
+            assert all(s["ep"] == shards[0]["ep"] for s in shards)  # TP ranks of one DP rank share the experts
+            if ep in by_ep:  # data-parallel replicas (expert-data-parallel ones for experts) must agree
+                torch.testing.assert_close(tensor, by_ep[ep], rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+            by_ep[ep] = tensor
+        if expert_dim is None:
+            full[name] = by_ep[0]
+        else:  # expert-parallel ranks hold consecutive blocks of the experts: join them in EP order
+            assert sorted(by_ep) == list(range(ep_size)), (name, sorted(by_ep))
+            full[name] = torch.cat([by_ep[e] for e in range(ep_size)], dim=expert_dim)
     return losses, full, outs
 
 
@@ -84,22 +103,32 @@ def reference(extra: tuple[str, ...]):
     return train(TINY_GPT + list(extra), 1)
 
 
-def check_matches_reference(extra: list[str], mesh: list[str], world: int) -> None:
-    """Train TINY_GPT + extra on ``mesh`` (``world`` ranks): losses and weights equal one process's within 1e-5."""
+def assert_same_training(losses: dict[int, float], params: dict[str, torch.Tensor], ref_losses: dict[int, float],
+                         ref_params: dict[str, torch.Tensor], iterations=range(1, 11), what: str = "") -> None:
+    """The losses of ``iterations`` and the final weights (and persistent buffers) equal the reference's within
+    1e-5."""
+    assert sorted(losses) == list(iterations), what
+    for it in iterations:
+        assert losses[it] == pytest.approx(ref_losses[it], rel=1e-5), f"{what} iteration {it}"
+    assert params.keys() == ref_params.keys(), what
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, name=name: f"{what} {name}: {m}")
+
+
+def check_matches_reference(extra: list[str], mesh: list[str], world: int) -> list:
+    """Train TINY_GPT + extra on ``mesh`` (``world`` ranks): losses and weights equal one process's within 1e-5.
+    Returns the per-rank outputs."""
     ref_losses, ref_params, _ = reference(tuple(extra))
     losses, params, outs = train(TINY_GPT + extra + mesh, world)
-    assert sorted(losses) == list(range(1, 11))
-    for it, ref in ref_losses.items():
-        assert losses[it] == pytest.approx(ref, rel=1e-5), f"iteration {it}"
+    assert_same_training(losses, params, ref_losses, ref_params)
     assert ref_losses[10] < ref_losses[1]  # it did train
-    assert params.keys() == ref_params.keys()
-    for name, ref in ref_params.items():
-        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     # Tied embedding: the last stage's copy stays equal to the first stage's.
     for o in outs:
         if o["shared"] is not None:
             first = next(x for x in outs if x["pp"] == 0 and x["tp"] == o["tp"] and x["dp"] == o["dp"])
             torch.testing.assert_close(o["shared"], first["shared"], rtol=0, atol=0)
+    return outs
 
 
 MESHES = {

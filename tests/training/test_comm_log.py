@@ -106,3 +106,17 @@ def test_logger_comm_line_and_scalars(tmp_path):
     assert scalars["comm/all_gather_wait_seconds"][0][1] == pytest.approx(0.001)
     assert "comm/broadcast_bytes_vs_theory" not in scalars and "comm/reduce_scatter_bytes_vs_theory" not in scalars
     assert "lm loss" in scalars and len(scalars["lm loss"]) == 2
+
+
+def test_logger_moe_fields_and_scalars(tmp_path):
+    logger = TrainLogger(train_iters=10, global_batch_size=8, seq_length=16, flops_per_token=1e6, world_size=1,
+                         device=torch.device("cpu"), tensorboard_dir=str(tmp_path), is_logging_rank=True)
+    logger.record(2.0, False)
+    moe = {"load_balancing_loss": 0.0123, "z_loss": 0.00045, "max_load_imbalance": 1.75,
+           "min_load_imbalance": 1.05, "load_imbalance/layer0": 1.05, "load_imbalance/layer2": 1.75}
+    line = logger.log(5, 40, 1e-3, 1.0, 0.5, moe=moe)
+    logger.close()
+    assert "| load balancing loss: 1.2300E-02 | z loss: 4.5000E-04 | expert load max/mean: 1.05-1.75 |" in line
+    scalars = _scalars(tmp_path)
+    assert scalars["moe/load_imbalance/layer2"] == [(5, 1.75)]
+    assert scalars["moe/load_balancing_loss"][0][1] == pytest.approx(0.0123)

@@ -1,4 +1,5 @@
-"""Start training from Hugging Face weights: GPT2LMHeadModel / LlamaForCausalLM -> a distributed checkpoint.
+"""Start training from Hugging Face weights: GPT2LMHeadModel / LlamaForCausalLM / MixtralForCausalLM /
+Qwen2MoeForCausalLM -> a distributed checkpoint.
 
     python tools/checkpoint/convert_from_hf.py --input HF_DIR --output CKPT_DIR \\
         [--tensor-model-parallel-size T] [--pipeline-model-parallel-size P] [--make-vocab-size-divisible-by 128]
@@ -7,9 +8,9 @@ The checkpoint (``CKPT_DIR/iter_0000000``, tracker ``latest_checkpointed_iterati
 mesh-independent global tensors, without optimizer state: train from it with
 ``pretrain_gpt.py --load CKPT_DIR --finetune`` and the model flags this tool prints (also written to
 ``CKPT_DIR/model_flags.txt``), on any mesh. The vocabulary is padded for the given TP and divisor (rows beyond
-Hugging Face's are zero); another padding loads too. Weights stream one tensor at a time from the
-``*.safetensors`` files (or ``pytorch_model.bin``). Unsupported architectures or config fields are one error
-naming the field.
+Hugging Face's are zero); another padding loads too, and so does any expert-parallel size (the experts are
+stored whole). Weights stream one tensor at a time from the ``*.safetensors`` files (or ``pytorch_model.bin``).
+Unsupported architectures or config fields are one error naming the field.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import sys
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
@@ -28,7 +30,7 @@ from megatron.core.transformer_config import TransformerConfig
 from megatron.training.checkpoint.checkpointer import write_tracker
 from megatron.training.checkpoint.names import iteration_dir
 from tools.checkpoint.hf_mapping import args_from_hf, our_tensor
-from tools.checkpoint.loader import expected_names
+from tools.checkpoint.loader import MOE_ARGS, expected_names, moe_config_from_args
 from tools.tool_errors import fail, one_line_errors
 from zero_cache.checkpoint import CheckpointError, distributed
 from zero_cache.checkpoint.interface import PARAM, StatePiece
@@ -62,6 +64,9 @@ class _HFWeights:
             raise CheckpointError(f"{directory} holds no model.safetensors, model.safetensors.index.json or "
                                   f"pytorch_model.bin: is it a Hugging Face model directory?")
         self._open = safe_open
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
 
     def __call__(self, name: str) -> torch.Tensor:
         if name not in self.files:
@@ -136,6 +141,14 @@ def model_flags(args: dict) -> list[str]:
         flags.append("--untie-embeddings-and-output-weights")
     if args["group_query_attention"]:
         flags += ["--group-query-attention", "--num-query-groups", str(args["num_query_groups"])]
+    if args.get("add_qkv_bias"):
+        flags.append("--add-qkv-bias")
+    if args.get("num_experts"):
+        flags += ["--num-experts", str(args["num_experts"])]
+        for key in MOE_ARGS.values():
+            value = args.get(key)
+            if value is not None and value is not False:
+                flags += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
     return flags
 
 
@@ -158,7 +171,8 @@ def convert(input_dir: str, output_dir: str, *, tp: int = 1, pp: int = 1, divisi
                 make_vocab_size_divisible_by=divisible_by, tensor_model_parallel_size=tp,
                 pipeline_model_parallel_size=pp)
     keys = {f.name for f in dataclasses.fields(TransformerConfig)}
-    cfg = TransformerConfig(**{k: v for k, v in args.items() if k in keys and k != "group_query_attention"})
+    cfg = TransformerConfig(**{k: v for k, v in args.items() if k in keys and k != "group_query_attention"},
+                            moe=moe_config_from_args(args))
     source = _ConvertedStates(cfg, _HFWeights(input_dir))
     os.makedirs(output_dir, exist_ok=True)
     distributed.save(iteration_dir(output_dir, 0), source, optimizer=False,
@@ -186,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     with one_line_errors("convert_from_hf.py", fix, CheckpointError):
         flags = convert(a.input, a.output, tp=a.tensor_model_parallel_size, pp=a.pipeline_model_parallel_size,
                         divisible_by=a.make_vocab_size_divisible_by)
-    print(f"> wrote {iteration_dir(a.output, 0)}; train from it with:\n  pretrain_gpt.py {' '.join(flags)} "
+    print(f"> wrote {iteration_dir(a.output, 0)}; train from it with:\n  pretrain_gpt.py {shlex.join(flags)} "
           f"--load {a.output} --finetune ...", flush=True)
 
 

@@ -5,9 +5,12 @@
         --output HF_DIR
 
 GPT-2 blocks (learned positions, LayerNorm, GELU, biases) become ``GPT2LMHeadModel``; Llama blocks (RoPE, RMSNorm,
-SwiGLU, optional GQA / untied head) become ``LlamaForCausalLM``. The model's shape comes from the checkpoint's
-``args``. A distributed checkpoint (the default format) and a consolidated directory are read one tensor at a
-time and written in safetensors shards of at most ``--max-shard-size``, so memory is a shard, never the model.
+SwiGLU, optional GQA / untied head) become ``LlamaForCausalLM``; mixture-of-experts models become
+``MixtralForCausalLM`` (no shared expert) or ``Qwen2MoeForCausalLM`` (a gated shared expert; QKV biases and dense
+layers allowed), written with one matrix per expert as ``save_pretrained`` does. The model's shape comes from the
+checkpoint's ``args``. A distributed checkpoint (the default format) and a consolidated directory are read one
+tensor at a time and written in safetensors shards of at most ``--max-shard-size``, so memory is a shard, never the
+model.
 """
 from __future__ import annotations
 

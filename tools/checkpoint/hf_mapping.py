@@ -1,4 +1,6 @@
-"""How our GPT weights and arguments correspond to Hugging Face ``GPT2LMHeadModel`` and ``LlamaForCausalLM``.
+"""How our GPT weights and arguments correspond to Hugging Face ``GPT2LMHeadModel`` and ``LlamaForCausalLM``
+(mixture-of-experts models, ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM``: ``hf_moe_mapping.py``, which
+these functions hand over to).
 
 Both directions work one tensor at a time, so a conversion holds one layer's tensors, never the model:
 ``hf_tensors`` yields the Hugging Face tensors of our (full, single-process) weights; ``our_tensor`` builds one of
@@ -15,6 +17,8 @@ from typing import Callable, Iterator
 import torch
 
 from megatron.core.transformer_config import TransformerConfig
+from tools.checkpoint import hf_moe_mapping
+from tools.checkpoint.hf_llama import linear_params, llama_args, swiglu_mlp, unsupported
 from zero_cache.checkpoint import CheckpointError
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
@@ -23,7 +27,9 @@ GPT2_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True, 
 
 
 def model_family(cfg: TransformerConfig) -> str:
-    """'gpt2' or 'llama'; a clear error for block designs neither Hugging Face class reproduces."""
+    """'gpt2', 'llama', 'mixtral' or 'qwen2_moe'; a clear error for block designs no Hugging Face class reproduces."""
+    if cfg.moe is not None:
+        return hf_moe_mapping.moe_family(cfg)
     if cfg.position_embedding_type == "learned_absolute":
         wrong = {"normalization": (cfg.normalization, "LayerNorm"), "swiglu": (cfg.swiglu, False),
                  "add_bias_linear": (cfg.add_bias_linear, True),
@@ -32,7 +38,8 @@ def model_family(cfg: TransformerConfig) -> str:
         family = "gpt2"
     else:
         wrong = {"normalization": (cfg.normalization, "RMSNorm"), "swiglu": (cfg.swiglu, True),
-                 "openai_gelu": (cfg.openai_gelu, False)}
+                 "openai_gelu": (cfg.openai_gelu, False),
+                 "add_qkv_bias": (cfg.add_qkv_bias and not cfg.add_bias_linear, False)}  # Qwen2's attention
         family = "llama"
     bad = {k: v for k, v in wrong.items() if v[0] != v[1]}
     if bad:
@@ -88,19 +95,22 @@ def _gpt2_layer(cfg, i: int, ours: Callable[[str], torch.Tensor]):
     yield dst + "mlp.c_proj.bias", ours(src + "mlp.linear_fc2.bias")
 
 
-def _llama_layer(cfg, i: int, ours: Callable[[str], torch.Tensor]):
+def llama_attention(cfg, i: int, ours: Callable[[str], torch.Tensor]):
+    """Layer ``i``'s norms and attention under Llama's names (Mixtral and Qwen2-MoE use them too)."""
     src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
     yield dst + "input_layernorm.weight", ours(src + "input_layernorm.weight")
     yield dst + "post_attention_layernorm.weight", ours(src + "pre_mlp_layernorm.weight")
-    for p in ("weight", "bias") if cfg.add_bias_linear else ("weight",):
+    for p in qkv_params(cfg):
         q, k, v = split_qkv(cfg, ours(src + f"self_attention.linear_qkv.{p}"))
         yield dst + f"self_attn.q_proj.{p}", q
         yield dst + f"self_attn.k_proj.{p}", k
         yield dst + f"self_attn.v_proj.{p}", v
+    for p in linear_params(cfg):
         yield dst + f"self_attn.o_proj.{p}", ours(src + f"self_attention.linear_proj.{p}")
-        yield dst + f"mlp.gate_proj.{p}", ours(src + f"mlp.linear_fc1_gate.{p}")  # silu(gate(x)) * up(x)
-        yield dst + f"mlp.up_proj.{p}", ours(src + f"mlp.linear_fc1.{p}")
-        yield dst + f"mlp.down_proj.{p}", ours(src + f"mlp.linear_fc2.{p}")
+
+
+def qkv_params(cfg) -> tuple[str, ...]:
+    return ("weight", "bias") if cfg.add_bias_linear or cfg.add_qkv_bias else ("weight",)
 
 
 def hf_tensors(cfg: TransformerConfig, vocab_size: int, ours: Callable[[str], torch.Tensor]
@@ -119,7 +129,11 @@ def hf_tensors(cfg: TransformerConfig, vocab_size: int, ours: Callable[[str], to
     else:
         yield "model.embed_tokens.weight", _rows(ours(WORD_EMBEDDING), vocab_size)
         for i in range(cfg.num_layers):
-            yield from _llama_layer(cfg, i, ours)
+            yield from llama_attention(cfg, i, ours)
+            if family == "llama":
+                yield from swiglu_mlp(cfg, f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp.", ours)
+            else:
+                yield from hf_moe_mapping.mlp_tensors(cfg, family, i, ours)
         yield "model.norm.weight", ours("final_layernorm.weight")
     if not tied:
         yield "lm_head.weight", _rows(ours(OUTPUT_LAYER), vocab_size)
@@ -129,7 +143,10 @@ def hf_config(cfg: TransformerConfig, vocab_size: int):
     """The Hugging Face config of our model."""
     from transformers import GPT2Config, LlamaConfig
     tied = not cfg.untie_embeddings_and_output_weights
-    if model_family(cfg) == "gpt2":
+    family = model_family(cfg)
+    if family not in ("gpt2", "llama"):
+        return hf_moe_mapping.hf_config(cfg, vocab_size, family)
+    if family == "gpt2":
         return GPT2Config(
             vocab_size=vocab_size, n_positions=cfg.max_position_embeddings, n_embd=cfg.hidden_size,
             n_layer=cfg.num_layers, n_head=cfg.num_attention_heads, n_inner=cfg.ffn_hidden_size,
@@ -147,10 +164,6 @@ def hf_config(cfg: TransformerConfig, vocab_size: int):
 
 
 # ---- Hugging Face -> ours (import) ---------------------------------------------------------------------------
-def _unsupported(field: str, value, fix: str) -> CheckpointError:
-    return CheckpointError(f"Hugging Face config field '{field}' = {value!r} is not supported: {fix}")
-
-
 def args_from_hf(hf) -> dict:
     """Our model arguments (Megatron names) for a Hugging Face config; unsupported fields are an error naming
     the field."""
@@ -158,11 +171,11 @@ def args_from_hf(hf) -> dict:
     if model_type == "gpt2":
         act = hf.activation_function
         if act not in GPT2_ACTIVATIONS:
-            raise _unsupported("activation_function", act, f"supported: {sorted(GPT2_ACTIVATIONS)}")
+            raise unsupported("activation_function", act, f"supported: {sorted(GPT2_ACTIVATIONS)}")
         for field, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                           ("add_cross_attention", False)):
             if getattr(hf, field, ok) != ok:
-                raise _unsupported(field, getattr(hf, field), f"only {ok!r} maps onto our attention")
+                raise unsupported(field, getattr(hf, field), f"only {ok!r} maps onto our attention")
         return {"num_layers": hf.n_layer, "hidden_size": hf.n_embd, "num_attention_heads": hf.n_head,
                 "ffn_hidden_size": hf.n_inner or 4 * hf.n_embd, "max_position_embeddings": hf.n_positions,
                 "seq_length": hf.n_positions, "position_embedding_type": "learned_absolute",
@@ -173,31 +186,11 @@ def args_from_hf(hf) -> dict:
                 "kv_channels": hf.n_embd // hf.n_head, "hidden_dropout": hf.resid_pdrop,
                 "attention_dropout": hf.attn_pdrop, "true_vocab_size": hf.vocab_size}
     if model_type == "llama":
-        if hf.hidden_act != "silu":
-            raise _unsupported("hidden_act", hf.hidden_act, "only 'silu' (SwiGLU) maps onto our MLP")
-        scaling = getattr(hf, "rope_scaling", None)
-        if scaling and (scaling.get("rope_type") or scaling.get("type")) not in (None, "default"):
-            raise _unsupported("rope_scaling", scaling, "our rotary embedding has no scaling; drop it or train "
-                                                        "without it")
-        if getattr(hf, "pretraining_tp", 1) != 1:
-            raise _unsupported("pretraining_tp", hf.pretraining_tp, "set it to 1 (it only slices the matmuls)")
-        if bool(getattr(hf, "attention_bias", False)) != bool(getattr(hf, "mlp_bias", False)):
-            raise _unsupported("attention_bias/mlp_bias", (hf.attention_bias, hf.mlp_bias),
-                               "our --disable-bias-linear covers both: they must be equal")
-        rope = getattr(hf, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-        heads, groups = hf.num_attention_heads, hf.num_key_value_heads or hf.num_attention_heads
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-        return {"num_layers": hf.num_hidden_layers, "hidden_size": hf.hidden_size, "num_attention_heads": heads,
-                "ffn_hidden_size": hf.intermediate_size, "max_position_embeddings": hf.max_position_embeddings,
-                "seq_length": hf.max_position_embeddings, "position_embedding_type": "rope",
-                "rotary_base": float(theta), "normalization": "RMSNorm", "layernorm_epsilon": hf.rms_norm_eps,
-                "swiglu": True, "add_bias_linear": bool(getattr(hf, "attention_bias", False)), "openai_gelu": False,
-                "untie_embeddings_and_output_weights": not hf.tie_word_embeddings, "num_query_groups": groups,
-                "group_query_attention": groups != heads, "kv_channels": head_dim, "hidden_dropout": 0.0,
-                "attention_dropout": float(getattr(hf, "attention_dropout", 0.0)),
-                "true_vocab_size": hf.vocab_size}
-    raise _unsupported("model_type", model_type, "supported: 'gpt2' (GPT2LMHeadModel), 'llama' (LlamaForCausalLM)")
+        return llama_args(hf)
+    if model_type in hf_moe_mapping.MODEL_TYPES:
+        return hf_moe_mapping.args_from_hf(hf)
+    raise unsupported("model_type", model_type, "supported: 'gpt2' (GPT2LMHeadModel), 'llama' (LlamaForCausalLM), "
+                                                 "'mixtral' (MixtralForCausalLM), 'qwen2_moe' (Qwen2MoeForCausalLM)")
 
 
 _GPT2_LAYER = {"input_layernorm.weight": "ln_1.weight", "input_layernorm.bias": "ln_1.bias",
@@ -242,6 +235,8 @@ def our_tensor(cfg: TransformerConfig, name: str, hf: Callable[[str], torch.Tens
         if rest == "self_attention.linear_qkv.bias":
             return fuse_qkv(cfg, *hf(src + "attn.c_attn.bias").chunk(3))
         raise KeyError(name)
+    if rest.startswith("mlp.") and cfg.is_moe_layer(int(layer)):
+        return hf_moe_mapping.our_mlp_tensor(cfg, family, int(layer), rest, hf)
     src = f"model.layers.{layer}."
     if rest in _LLAMA_LAYER:
         return hf(src + _LLAMA_LAYER[rest])

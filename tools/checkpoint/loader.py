@@ -15,6 +15,7 @@ import re
 
 import torch
 
+from megatron.core.moe.config import MoEConfig, parse_layer_freq
 from megatron.core.transformer_config import TransformerConfig
 from megatron.training.checkpoint.checkpointer import read_tracker
 from megatron.training.checkpoint.legacy import checkpoint_file, load_file, saved_mesh
@@ -36,11 +37,25 @@ _PARTITION_DIMS = {
     "pre_mlp_layernorm.weight": None, "pre_mlp_layernorm.bias": None,
     WORD_EMBEDDING: 0, OUTPUT_LAYER: 0, "embedding.position_embeddings.weight": None,
     "final_layernorm.weight": None, "final_layernorm.bias": None,
+    # MoE layers: the router is replicated; experts [E, f, h] / [E, h, f] split f (expert parallelism splits E,
+    # which this legacy reader does not join); the shared expert is split like the dense MLP.
+    "mlp.router.weight": None, "mlp.router.expert_bias": None, "mlp.experts.linear_fc1.weight": 1,
+    "mlp.experts.linear_fc1_gate.weight": 1, "mlp.experts.linear_fc2.weight": 2,
+    "mlp.shared_experts.linear_fc1.weight": 0, "mlp.shared_experts.linear_fc1.bias": 0,
+    "mlp.shared_experts.linear_fc1_gate.weight": 0, "mlp.shared_experts.linear_fc1_gate.bias": 0,
+    "mlp.shared_experts.linear_fc2.weight": 1, "mlp.shared_experts.linear_fc2.bias": None,
+    "mlp.shared_experts.gate_weight": None,
 }
 _CONFIG_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "padded_vocab_size",
                 "ffn_hidden_size", "num_query_groups", "kv_channels", "max_position_embeddings",
                 "position_embedding_type", "rotary_base", "normalization", "layernorm_epsilon", "swiglu",
-                "add_bias_linear", "untie_embeddings_and_output_weights", "openai_gelu")
+                "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights", "openai_gelu")
+# MoEConfig field -> the Megatron argument that sets it (the flag without its dashes)
+MOE_ARGS = {"router_topk": "moe_router_topk", "ffn_hidden_size": "moe_ffn_hidden_size", "layer_freq": "moe_layer_freq",
+            "shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
+            "shared_expert_gate": "moe_shared_expert_gate", "score_function": "moe_router_score_function",
+            "pre_softmax": "moe_router_pre_softmax", "topk_scaling_factor": "moe_router_topk_scaling_factor",
+            "enable_expert_bias": "moe_router_enable_expert_bias", "aux_loss_coeff": "moe_aux_loss_coeff"}
 _REQUIRED_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "padded_vocab_size")
 
 
@@ -64,13 +79,33 @@ def model_config_from_args(args: dict) -> TransformerConfig:
     if args.get("group_query_attention") is False and "num_query_groups" in kw \
             and kw["num_query_groups"] != kw["num_attention_heads"]:
         kw.pop("num_query_groups")  # Megatron ignores --num-query-groups without --group-query-attention
-    return TransformerConfig(**kw, hidden_dropout=0.0, attention_dropout=0.0)
+    return TransformerConfig(**kw, moe=moe_config_from_args(args), hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def moe_config_from_args(args: dict) -> MoEConfig | None:
+    """The MoEConfig of ``--num-experts`` and the ``--moe-*`` args; None for a dense model."""
+    experts = args.get("num_experts")
+    if isinstance(experts, (list, tuple)):  # Megatron-DeepSpeed spells --num-experts as a list
+        experts = max(experts)
+    if not experts or experts < 2:
+        return None
+    kw = {field: args[arg] for field, arg in MOE_ARGS.items() if args.get(arg) is not None}
+    freq = kw.get("layer_freq")
+    if isinstance(freq, str):
+        kw["layer_freq"] = parse_layer_freq(freq)
+    elif isinstance(freq, list):
+        kw["layer_freq"] = tuple(freq)
+    try:
+        return MoEConfig(num_experts=experts, **kw)
+    except ValueError as e:
+        raise CheckpointError(f"the checkpoint's MoE arguments are invalid: {e}") from None
 
 
 def expected_names(cfg: TransformerConfig) -> list[str]:
-    """Full parameter names of a GPTModel with this config under TP = PP = 1."""
+    """Full parameter names of a GPTModel with this config under TP = PP = 1 (EP = 1)."""
     norm = ["weight", "bias"] if cfg.normalization == "LayerNorm" else ["weight"]
     linear = ["weight", "bias"] if cfg.add_bias_linear else ["weight"]
+    qkv = ["weight", "bias"] if cfg.add_bias_linear or cfg.add_qkv_bias else ["weight"]
     names = [WORD_EMBEDDING]
     if cfg.position_embedding_type == "learned_absolute":
         names.append("embedding.position_embeddings.weight")
@@ -78,9 +113,18 @@ def expected_names(cfg: TransformerConfig) -> list[str]:
     for i in range(cfg.num_layers):
         p = f"decoder.layers.{i}."
         names += [p + "input_layernorm." + n for n in norm]
-        names += [p + f"self_attention.{m}.{n}" for m in ("linear_qkv", "linear_proj") for n in linear]
+        names += [p + "self_attention.linear_qkv." + n for n in qkv]
+        names += [p + "self_attention.linear_proj." + n for n in linear]
         names += [p + "pre_mlp_layernorm." + n for n in norm]
-        names += [p + f"mlp.{m}.{n}" for m in mlp for n in linear]
+        if not cfg.is_moe_layer(i):
+            names += [p + f"mlp.{m}.{n}" for m in mlp for n in linear]
+            continue
+        names.append(p + "mlp.router.weight")
+        names += [p + f"mlp.experts.{m}.weight" for m in mlp]  # the experts have no biases
+        if cfg.moe.shared_expert_intermediate_size:
+            names += [p + f"mlp.shared_experts.{m}.{n}" for m in mlp for n in linear]
+            if cfg.moe.shared_expert_gate:
+                names.append(p + "mlp.shared_experts.gate_weight")
     names += ["final_layernorm." + n for n in norm]
     if cfg.untie_embeddings_and_output_weights:
         names.append(OUTPUT_LAYER)
@@ -98,13 +142,18 @@ def check_full_state_dict(cfg: TransformerConfig, state: dict[str, torch.Tensor]
     d, h = cfg.kv_channels, cfg.hidden_size
     shapes = {WORD_EMBEDDING: (cfg.padded_vocab_size, h),
               "decoder.layers.0.self_attention.linear_qkv.weight":
-                  ((cfg.num_attention_heads + 2 * cfg.num_query_groups) * d, h),
-              "decoder.layers.0.mlp.linear_fc1.weight": (cfg.ffn_hidden_size, h)}
+                  ((cfg.num_attention_heads + 2 * cfg.num_query_groups) * d, h)}
+    dense = next((i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)), None)
+    if dense is not None:
+        shapes[f"decoder.layers.{dense}.mlp.linear_fc1.weight"] = (cfg.ffn_hidden_size, h)
+    if cfg.moe is not None and dense != 0:
+        f = cfg.moe.expert_ffn_hidden_size(cfg.ffn_hidden_size)
+        shapes["decoder.layers.0.mlp.experts.linear_fc1.weight"] = (cfg.moe.num_experts, f, h)
     for name, shape in shapes.items():
         if tuple(state[name].shape) != shape:
             raise CheckpointError(f"{source}: {name} has shape {tuple(state[name].shape)} but the model arguments "
                                   f"imply {shape}; the args (hidden size, heads, query groups, kv channels, "
-                                  "vocabulary, ffn size) do not describe these weights")
+                                  "vocabulary, ffn size, experts) do not describe these weights")
 
 
 def resolve_iteration(load_dir: str, iteration: int | None = None) -> int:

@@ -27,12 +27,19 @@ from torch import nn
 from zero_cache.weight_grad import add_into, set_weight_grad_sink
 
 
+def is_expert_param(param: torch.Tensor) -> bool:
+    """A mixture-of-experts weight (Megatron-core marks them ``allreduce = False``): its replicas are the
+    expert-data-parallel ranks, not the whole data-parallel group."""
+    return getattr(param, "allreduce", True) is False
+
+
 class GradBucket:
     """Consecutive parameters whose gradients are all-reduced together as one slice of the buffer."""
 
-    def __init__(self, params: list[nn.Parameter], grad_data: torch.Tensor):
+    def __init__(self, params: list[nn.Parameter], grad_data: torch.Tensor, group: dist.ProcessGroup | None):
         self.params = params
         self.grad_data = grad_data
+        self.group = group  # the data-parallel group, or the expert-data-parallel one for expert weights
         self.param_ids = {id(p) for p in params}
         self.ready: set[int] = set()  # ids of params whose last-micro-batch gradient has arrived
         self.launched = False
@@ -47,6 +54,10 @@ class GradBucket:
 class DistributedDataParallel(nn.Module):
     """Wraps ``module``; gradients are averaged over ``data_parallel_group`` (None: a single process).
 
+    Expert weights (``is_expert_param``) are summed over ``expert_data_parallel_group`` instead and divided by
+    the data-parallel size as well: each expert saw tokens from the whole data-parallel group, so that is the
+    mean gradient (Megatron-core's rule). They sit in buckets of their own.
+
     Per step: run the micro-batches' backwards inside ``no_sync()`` except the
     last one, then call ``finish_grad_sync()`` before the optimizer step, and
     ``zero_grad_buffer()`` (or the optimizer's ``zero_grad()``) before the next.
@@ -54,13 +65,14 @@ class DistributedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, data_parallel_group: dist.ProcessGroup | None,
                  bucket_size: int = 40_000_000, grad_dtype: torch.dtype = torch.float32,
-                 overlap_grad_reduce: bool = True):
+                 overlap_grad_reduce: bool = True, expert_data_parallel_group: dist.ProcessGroup | None = None):
         super().__init__()
         if bucket_size < 1:
             raise ValueError(f"bucket_size must be >= 1 element (got {bucket_size})")
         self.module = module
         self.data_parallel_group = data_parallel_group
         self.dp_size = 1 if data_parallel_group is None else dist.get_world_size(data_parallel_group)
+        self.expert_data_parallel_group = expert_data_parallel_group or data_parallel_group
         self.overlap_grad_reduce = overlap_grad_reduce
         self.is_last_microbatch = True
         self._next_bucket = 0  # buckets before this index have their all-reduce launched
@@ -91,15 +103,20 @@ class DistributedDataParallel(nn.Module):
                 raise ValueError(f"grad_dtype {grad_dtype} is less precise than parameter {name} ({p.dtype}); "
                                  "use grad_dtype=torch.float32")
 
+    def _group_of(self, p: nn.Parameter) -> dist.ProcessGroup | None:
+        return self.expert_data_parallel_group if is_expert_param(p) else self.data_parallel_group
+
     def _build_buckets(self, params: list[nn.Parameter], bucket_size: int) -> list[GradBucket]:
         buckets, members, start, offset = [], [], 0, 0
 
         def close() -> None:
             nonlocal members, start
-            buckets.append(GradBucket(members, self.grad_buffer[start:offset]))
+            buckets.append(GradBucket(members, self.grad_buffer[start:offset], self._group_of(members[0])))
             members, start = [], offset
 
         for p in reversed(params):  # backward produces the last parameters' gradients first
+            if members and is_expert_param(p) != is_expert_param(members[0]):
+                close()  # a bucket is reduced over one group
             p.main_grad = self.grad_buffer[offset:offset + p.numel()].view_as(p)
             if p.dtype == self.grad_buffer.dtype:
                 p.grad = p.main_grad  # autograd accumulates into the buffer in place: no second copy
@@ -119,7 +136,9 @@ class DistributedDataParallel(nn.Module):
         if self.dp_size == 1:
             return
         for p in self.module.parameters():
-            dist.broadcast(p.data, group=self.data_parallel_group, group_src=0)
+            group = self._group_of(p)
+            if dist.get_world_size(group) > 1:
+                dist.broadcast(p.data, group=group, group_src=0)
 
     # ----- backward hook -----
     def _on_grad_accumulated(self, param: nn.Parameter) -> None:
@@ -151,7 +170,8 @@ class DistributedDataParallel(nn.Module):
                 return
             if self.dp_size > 1:
                 bucket.grad_data.div_(self.dp_size)  # sum of (grad / dp) = data-parallel mean
-                bucket.handle = dist.all_reduce(bucket.grad_data, group=self.data_parallel_group, async_op=True)
+                if dist.get_world_size(bucket.group) > 1:
+                    bucket.handle = dist.all_reduce(bucket.grad_data, group=bucket.group, async_op=True)
             bucket.launched = True
             self._next_bucket += 1
 

@@ -17,13 +17,19 @@ def get_grad_norm_fp32(grads: list[torch.Tensor], model_parallel_group: dist.Pro
     of the group must call this, even with an empty list (``device`` then says
     where the partial sum lives for the all-reduce).
     """
+    return grad_sum_of_squares(grads, model_parallel_group, device) ** 0.5
+
+
+def grad_sum_of_squares(grads: list[torch.Tensor], group: dist.ProcessGroup | None,
+                        device: torch.device | str = "cpu") -> float:
+    """The squared L2 norm of ``grads`` summed over ``group`` (see ``get_grad_norm_fp32``)."""
     if grads:
         total_sq = torch.stack([sum_of_squares(g) for g in grads]).sum().reshape(1)
     else:
         total_sq = torch.zeros(1, dtype=torch.float64, device=device)
-    if model_parallel_group is not None and dist.get_world_size(model_parallel_group) > 1:
-        dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=model_parallel_group)
-    return float(total_sq.sqrt())
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=group)
+    return float(total_sq)
 
 
 def clip_grad_by_total_norm_fp32(params_or_grads: list[torch.Tensor], max_norm: float, total_norm: float) -> None:

@@ -16,7 +16,8 @@ from torch import nn
 
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel
-from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
+from megatron.core.distributed.data_parallel import is_expert_param
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, grad_sum_of_squares
 from megatron.core.optimizer.config import OptimizerConfig
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron.core.tensor_parallel import param_is_tensor_parallel_duplicate
@@ -56,13 +57,20 @@ class MegatronOptimizer:
     """What both implementations share: parameter groups, learning rate, norm and clipping."""
 
     def __init__(self, config: OptimizerConfig, model_chunks: list[nn.Module], main_params: list[nn.Parameter],
-                 model_params: list[nn.Parameter], model_parallel_group: dist.ProcessGroup | None):
+                 model_params: list[nn.Parameter], model_parallel_group: dist.ProcessGroup | None,
+                 expert_model_parallel_group: dist.ProcessGroup | None = None):
         self.config = config
         self.model_chunks = model_chunks
         self.model_parallel_group = model_parallel_group
+        # tp x pp x ep: the ranks over which expert gradients (different experts on every EP rank) are summed
+        self.expert_model_parallel_group = expert_model_parallel_group
         self.device = main_params[0].device
         self.optimizer, self._fused = _adamw(_param_groups(main_params, config.weight_decay), config)
-        self._norm_params = [main for main, model in zip(main_params, model_params) if _counted_in_grad_norm(model)]
+        counted = [(main, model) for main, model in zip(main_params, model_params) if _counted_in_grad_norm(model)]
+        # Without an expert group every rank holds every expert: they count with the dense weights.
+        apart = expert_model_parallel_group is not None
+        self._norm_params = [main for main, model in counted if not (apart and is_expert_param(model))]
+        self._expert_norm_params = [main for main, model in counted if apart and is_expert_param(model)]
         self._main_params = main_params
 
     @property
@@ -92,7 +100,11 @@ class MegatronOptimizer:
     def _clip_and_step(self) -> tuple[bool, float]:
         """Global norm, clipping, AdamW step; a non-finite norm skips the update instead of poisoning weights."""
         grads = [p.grad for p in self._norm_params if p.grad is not None]
-        grad_norm = get_grad_norm_fp32(grads, self.model_parallel_group, self.device)
+        squares = grad_sum_of_squares(grads, self.model_parallel_group, self.device)
+        if self.expert_model_parallel_group is not None:
+            expert_grads = [p.grad for p in self._expert_norm_params if p.grad is not None]
+            squares += grad_sum_of_squares(expert_grads, self.expert_model_parallel_group, self.device)
+        grad_norm = squares ** 0.5
         if not math.isfinite(grad_norm):
             return False, grad_norm
         if self.config.clip_grad > 0:
@@ -138,8 +150,9 @@ class FP32Optimizer(MegatronOptimizer):
     """fp32 parameters: AdamW updates them directly (no master copy); grads are the DDP buffer views."""
 
     def __init__(self, config: OptimizerConfig, model_chunks: list[nn.Module], params: list[nn.Parameter],
-                 model_parallel_group: dist.ProcessGroup | None):
-        super().__init__(config, model_chunks, params, params, model_parallel_group)
+                 model_parallel_group: dist.ProcessGroup | None,
+                 expert_model_parallel_group: dist.ProcessGroup | None = None):
+        super().__init__(config, model_chunks, params, params, model_parallel_group, expert_model_parallel_group)
 
     def step(self) -> tuple[bool, float | None, None]:
         ok, grad_norm = self._clip_and_step()
@@ -162,7 +175,8 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
     """
 
     def __init__(self, config: OptimizerConfig, model_chunks: list[nn.Module], params: list[nn.Parameter],
-                 model_parallel_group: dist.ProcessGroup | None):
+                 model_parallel_group: dist.ProcessGroup | None,
+                 expert_model_parallel_group: dist.ProcessGroup | None = None):
         self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []  # (16-bit model param, fp32 master)
         main_params = []
         for p in params:
@@ -172,7 +186,8 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
                 main_params.append(master)
             else:
                 main_params.append(p)
-        super().__init__(config, model_chunks, main_params, params, model_parallel_group)
+        super().__init__(config, model_chunks, main_params, params, model_parallel_group,
+                         expert_model_parallel_group)
         self._master_of = {id(p): m for p, m in self._pairs}
         self.grad_scaler: ConstantGradScaler | DynamicGradScaler | None = None
         if config.fp16:
@@ -208,8 +223,9 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
             inv_scale = torch.full((1,), self.grad_scaler.inv_scale, dtype=torch.float32, device=self.device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
         # Grads are identical across data-parallel ranks already; model-parallel ranks must agree to skip.
-        if self.model_parallel_group is not None and dist.get_world_size(self.model_parallel_group) > 1:
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.model_parallel_group)
+        for group in (self.model_parallel_group, self.expert_model_parallel_group):  # experts differ across EP
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
         return bool(found_inf.item() > 0)
 
     def step(self) -> tuple[bool, float | None, None]:
@@ -261,11 +277,14 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
 
 def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list[nn.Module],
                            data_parallel_group: dist.ProcessGroup | None,
-                           model_parallel_group: dist.ProcessGroup | None) -> MegatronOptimizer:
+                           model_parallel_group: dist.ProcessGroup | None,
+                           expert_model_parallel_group: dist.ProcessGroup | None = None) -> MegatronOptimizer:
     """Build the optimizer for this rank's model chunks (wrap them in DistributedDataParallel first).
 
     ``model_parallel_group`` (tensor x pipeline) is where the grad norm and the
-    overflow flag are summed; None means a single process.
+    overflow flag are summed; None means a single process. Expert weights' squared
+    norm is summed over ``expert_model_parallel_group`` (tensor x pipeline x expert)
+    instead, when the model has experts.
     """
     params, seen = [], set()
     for chunk in model_chunks:
@@ -286,9 +305,10 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list[nn.Module
         if half:
             raise ValueError(f"parameters are {sorted(map(str, half))} but neither --fp16 nor --bf16 is set; "
                              "pass the flag matching the model's dtype")
-        return FP32Optimizer(config, model_chunks, params, model_parallel_group)
+        return FP32Optimizer(config, model_chunks, params, model_parallel_group, expert_model_parallel_group)
     wanted = torch.float16 if config.fp16 else torch.bfloat16
     if half - {wanted}:
         raise ValueError(f"--{'fp16' if config.fp16 else 'bf16'} is set but parameters are "
                          f"{sorted(map(str, half))}; build the model in {wanted}")
-    return Float16OptimizerWithFloat16Params(config, model_chunks, params, model_parallel_group)
+    return Float16OptimizerWithFloat16Params(config, model_chunks, params, model_parallel_group,
+                                             expert_model_parallel_group)

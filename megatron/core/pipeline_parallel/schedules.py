@@ -30,6 +30,9 @@ class _Step:
         self.forward_step_func, self.data_iterator, self.model = forward_step_func, data_iterator, model
         self.num_microbatches, self.grad_scale_func = num_microbatches, grad_scale_func
         self.stats: list[dict] = []
+        # Auxiliary losses inside the model (MoE routers) get the language-model loss's backward factor.
+        scale = grad_scale_func(torch.ones(())) if grad_scale_func is not None else 1.0
+        getattr(model, "module", model).set_moe_aux_loss_scale(float(scale) / num_microbatches)
 
     def forward(self, input_tensor: torch.Tensor | None) -> torch.Tensor:
         getattr(self.model, "module", self.model).set_input_tensor(input_tensor)  # unwrap DDP / ZeRO engine

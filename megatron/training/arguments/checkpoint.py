@@ -10,7 +10,10 @@ from megatron.training.checkpoint.saved_args import saved_args
 _MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                "group_query_attention", "kv_channels", "seq_length", "max_position_embeddings",
                "position_embedding_type", "rotary_base", "normalization", "swiglu", "openai_gelu",
-               "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by")
+               "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "add_qkv_bias",
+               "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
+               "moe_shared_expert_gate", "moe_router_score_function", "moe_router_pre_softmax",
+               "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias")
 # Taken only when the command line leaves them out (as Megatron does for the tokenizer).
 _TOKENIZER_ARGS = ("tokenizer_type", "vocab_size")
 
@@ -51,6 +54,8 @@ def apply_checkpoint_args(args: argparse.Namespace) -> None:
     for key in _MODEL_ARGS:
         if key in saved:
             setattr(args, key, saved[key])
+    if saved.get("num_experts") is not None:  # stored as one int; the flag takes Megatron-DeepSpeed's list form
+        args.num_experts = [saved["num_experts"]]
     if "add_bias_linear" in saved:
         args.disable_bias_linear = not saved["add_bias_linear"]
     if "layernorm_epsilon" in saved:

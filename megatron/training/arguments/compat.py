@@ -1,6 +1,6 @@
 """Megatron-LM and Megatron-DeepSpeed flags that have no feature of their own here: accepted or refused.
 
-Real launch scripts pass flags for things this trainer does not have (MoE, FP8, knowledge distillation, ...)
+Real launch scripts pass flags for things this trainer does not have (FP8, knowledge distillation, ...)
 or does not need to be told (overlapped gradient reduction, fused kernels). So that such scripts run as they
 are, each of those flags is either
 
@@ -57,15 +57,10 @@ REFUSED = (
     Refused(("--cpu-optimizer",),
             "the optimizer runs where the zero_cache engine keeps its states; use --deepspeed with "
             "\"offload_optimizer\": {\"device\": \"cpu\"} in the JSON instead"),
-    Refused(("--moe-grouped-gemm", "--moe-router-topk", "--moe-aux-loss-coeff", "--expert-model-parallel-size",
-             "--moe-router-load-balancing-type", "--moe-token-dispatcher-type", "--num-moe-experts"),
-            "Mixture-of-Experts is not implemented here (the model is dense); drop the MoE flags"),
 )
 
-# Megatron-DeepSpeed's MoE settings: inert for a dense model (--num-experts 1), as they are there.
-MOE_SETTINGS = ("--moe-loss-coeff", "--moe-train-capacity-factor", "--moe-eval-capacity-factor",
-                "--moe-min-capacity", "--create-moe-param-group", "--disable-moe-token-dropping", "--topk",
-                "--expert-interval")
+# Megatron-DeepSpeed's MoE settings without a counterpart here (the others are aliases, arguments/moe.py).
+MOE_SETTINGS = ("--moe-eval-capacity-factor", "--moe-min-capacity", "--create-moe-param-group")
 
 
 def _dest(flag: str) -> str:
@@ -79,14 +74,11 @@ def add_compat_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             g.add_argument(flag, dest=_dest(flag), default=None, help=why)
         else:
             g.add_argument(flag, dest=_dest(flag), action="store_true", help=why)
-    g.add_argument("--num-experts", type=int, nargs="+", default=None,
-                   help="Megatron-DeepSpeed: 1 (a dense model) is accepted; more experts (MoE) are refused")
-    g.add_argument("--moe-expert-parallel-size", type=int, default=1,
-                   help="Megatron-DeepSpeed: 1 is accepted (no experts to spread); more is refused")
     g.add_argument("--mlp-type", default="standard", help="Megatron-DeepSpeed: standard; residual (PR-MoE) is refused")
     for flag in MOE_SETTINGS:
         g.add_argument(flag, dest=_dest(flag), nargs="*", default=None,
-                       help="Megatron-DeepSpeed MoE setting: accepted with --num-experts 1 (no experts, no effect)")
+                       help="Megatron-DeepSpeed MoE setting: accepted, no effect (evaluation uses the training "
+                            "routing; experts always have their own parameter group)")
     for refused in REFUSED:  # out of --help: they are listed in docs/megatron-compat.md
         for flag in refused.flags:  # any number of values, so the refusal, not argparse, reports them
             parser.add_argument(flag, dest=_dest(flag), nargs="*", default=None, help=argparse.SUPPRESS)
@@ -99,12 +91,5 @@ def check_compat(args: argparse.Namespace) -> None:
         for flag in refused.flags:
             if getattr(args, _dest(flag)) is not None:
                 raise ValueError(f"{flag}: {refused.why}")
-    experts = max(args.num_experts or [1])
-    if experts > 1:
-        raise ValueError(f"--num-experts {experts}: Mixture-of-Experts is not implemented here (the model is dense); "
-                         "drop --num-experts (or set it to 1) and the --moe-* flags")
-    if args.moe_expert_parallel_size != 1:
-        raise ValueError(f"--moe-expert-parallel-size {args.moe_expert_parallel_size}: there are no experts to "
-                         "spread (Mixture-of-Experts is not implemented here); drop it")
     if args.mlp_type != "standard":
         raise ValueError(f"--mlp-type {args.mlp_type}: residual MoE (PR-MoE) is not implemented here; drop it")

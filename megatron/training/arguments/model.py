@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.training.arguments.moe import moe_config_from_args
 from megatron.training.attention_backend import ATTENTION_BACKENDS
 from megatron.training.config import ModelConfig
 
@@ -45,6 +46,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--openai-gelu", action="store_true", help="GELU's tanh approximation (GPT-2's gelu_new)")
     g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--add-qkv-bias", action="store_true", help="biases on the QKV projection even with "
+                   "--disable-bias-linear (Qwen2)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
@@ -111,10 +114,11 @@ def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
         position_embedding_type="rope" if rope else args.position_embedding_type, rotary_base=args.rotary_base,
         normalization=args.normalization, layernorm_epsilon=args.norm_epsilon, swiglu=args.swiglu,
         openai_gelu=args.openai_gelu,
-        add_bias_linear=not args.disable_bias_linear,
+        add_bias_linear=not args.disable_bias_linear, add_qkv_bias=args.add_qkv_bias,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, precision=_precision(args),
         recompute_granularity="full" if args.checkpoint_activations else args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers, seed=args.seed,
-        gradient_accumulation_fusion=args.gradient_accumulation_fusion, attention_backend=_attention_backend(args))
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion, attention_backend=_attention_backend(args),
+        moe=moe_config_from_args(args))

@@ -12,6 +12,11 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g = parser.add_argument_group("parallelism and batch")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", "--moe-expert-parallel-size", dest="expert_model_parallel_size",
+                   type=int, default=1, help="ranks that split each MoE layer's experts (inside data parallelism)")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="the experts are split over the tensor-parallel ranks like the dense layers: only "
+                        "--tensor-model-parallel-size is accepted")
     g.add_argument("--no-pipeline-parallel", action="store_true",
                    help="Megatron-DeepSpeed: no pipeline stages; checks --pipeline-model-parallel-size is 1")
     g.add_argument("--context-parallel-size", type=int, default=1,
@@ -40,6 +45,10 @@ def _check_unsupported(args: argparse.Namespace) -> None:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if args.no_pipeline_parallel and pp != 1:
         raise ValueError(f"--no-pipeline-parallel with --pipeline-model-parallel-size {pp}: drop one of them")
+    if args.expert_tensor_parallel_size not in (None, tp):
+        raise ValueError(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}: experts are split over "
+                         f"the tensor-parallel ranks like the dense layers here; use {tp} (= "
+                         "--tensor-model-parallel-size) or drop it")
     if args.context_parallel_size != 1:
         raise ValueError(f"--context-parallel-size {args.context_parallel_size}: context parallelism is not "
                          "implemented here; use 1 (and tensor or pipeline parallelism to split the model)")
@@ -85,4 +94,5 @@ def parallel_config_from_args(args: argparse.Namespace, world_size: int) -> Para
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, data_parallel_size=dp,
         micro_batch_size=args.micro_batch_size, global_batch_size=global_batch_size,
         distributed_backend=args.distributed_backend, distributed_timeout_minutes=args.distributed_timeout_minutes,
-        batch_schedule=schedule if schedule and not schedule.constant else None)
+        batch_schedule=schedule if schedule and not schedule.constant else None,
+        expert_model_parallel_size=args.expert_model_parallel_size)

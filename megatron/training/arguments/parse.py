@@ -19,6 +19,7 @@ from megatron.training.arguments.compat import add_compat_args, check_compat
 from megatron.training.arguments.data import add_data_args, data_config_from_args
 from megatron.training.arguments.deepspeed import add_deepspeed_args, deepspeed_flags_from_args
 from megatron.training.arguments.model import add_model_args, model_config_from_args
+from megatron.training.arguments.moe import add_moe_args
 from megatron.training.arguments.optimizer import add_optimizer_args, optimizer_config_from_args
 from megatron.training.arguments.parallel import add_parallel_args, parallel_config_from_args
 from megatron.training.arguments.parser import TrainerArgumentParser
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = TrainerArgumentParser(description="Pre-train a GPT model (Megatron-LM flags; docs/training.md, "
                                           "docs/megatron-compat.md).")
     add_model_args(p)
+    add_moe_args(p)
     add_parallel_args(p)
     add_training_args(p)
     add_deepspeed_args(p)
@@ -81,6 +83,10 @@ def _config(args: argparse.Namespace, world_size: int) -> Config:
     data = data_config_from_args(args, build_timeout_minutes=parallel.distributed_timeout_minutes)
     tokenizer, checkpoint = tokenizer_config_from_args(args), checkpoint_config_from_args(args)
     log, housekeeping = log_config_from_args(args), housekeeping_config_from_args(args)
+    if parallel.expert_model_parallel_size > 1 and checkpoint.ckpt_format == "torch":
+        raise ValueError("--ckpt-format torch with --expert-model-parallel-size > 1: the legacy per-rank layout has "
+                         "no place for expert-parallel shards; use --ckpt-format torch_dist (the default), which "
+                         "also reshards experts to another EP size on load")
     # The JSON last, once every flag it is merged with is valid (the data-parallel size included).
     zero = zero_cache_config(deepspeed, parallel, optimizer)
     if zero is not None:
@@ -110,6 +116,19 @@ def _check_model_on_mesh(model: ModelConfig, parallel: ParallelConfig) -> None:
     if heads_groups % tp:
         raise ValueError(f"the number of query groups / attention heads ({heads_groups}) is not divisible by "
                          f"--tensor-model-parallel-size {tp}")
+    ep = parallel.expert_model_parallel_size
+    if model.moe is None:
+        if ep > 1:
+            raise ValueError(f"--expert-model-parallel-size {ep} without --num-experts: a dense model has no experts "
+                             "to split; drop it or add --num-experts")
+        return
+    if model.moe.num_experts % ep:
+        raise ValueError(f"--num-experts {model.moe.num_experts} is not divisible by --expert-model-parallel-size "
+                         f"{ep}; choose an expert count the expert-parallel ranks split evenly")
+    ffn = model.moe.expert_ffn_hidden_size(model.ffn_hidden_size or 4 * model.hidden_size)
+    if ffn % tp:
+        raise ValueError(f"the experts' width {ffn} (--moe-ffn-hidden-size) is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
 
 
 def _flags(args: argparse.Namespace, model: ModelConfig, parallel: ParallelConfig,
@@ -118,6 +137,7 @@ def _flags(args: argparse.Namespace, model: ModelConfig, parallel: ParallelConfi
     resolved = dict(vars(args), recompute_granularity=model.recompute_granularity, params_dtype=model.precision,
                     data_parallel_size=parallel.data_parallel_size, global_batch_size=parallel.global_batch_size,
                     train_iters=train_iters, attention_backend=model.attention_backend,
+                    num_experts=model.moe.num_experts if model.moe is not None else None,
                     group_query_attention=args.group_query_attention or args.num_query_groups is not None)
     return tuple((k, v) for k, v in resolved.items()
                  if not k.startswith("compat_") and isinstance(v, (int, float, str, bool, type(None))))

@@ -37,9 +37,11 @@ class MegatronBackend(Backend):
 
     def __init__(self, cfg: Config, model: torch.nn.Module):
         self.module = model
-        self.model = DistributedDataParallel(model, ps.get_data_parallel_group())
+        self.model = DistributedDataParallel(model, ps.get_data_parallel_group(),
+                                             expert_data_parallel_group=ps.get_expert_data_parallel_group())
+        experts = ps.get_expert_model_parallel_and_model_parallel_group() if cfg.model.moe is not None else None
         self.optimizer = get_megatron_optimizer(cfg.optimizer, [model], ps.get_data_parallel_group(),
-                                                ps.get_model_parallel_group())
+                                                ps.get_model_parallel_group(), experts)
 
     def checkpoint_states(self) -> StateSource:
         return DataParallelStates(self.module, self.optimizer)

@@ -17,6 +17,7 @@ import torch
 import zero_cache
 from megatron.core import parallel_state as ps
 from megatron.core.deferred_init import initial_value
+from megatron.core.distributed.data_parallel import is_expert_param
 from megatron.core.tensor_parallel import param_is_tensor_parallel_duplicate
 from megatron.training.backends.base import Backend, BackendStepResult
 from megatron.training.checkpoint import names
@@ -38,6 +39,10 @@ def build_lazy_model(model_provider, model_cfg, rng_tracker, device: torch.devic
     ``zero_cache.initialize(param_init=initial_value)`` materialises them one chunk at a time."""
     with torch.device("meta"):
         model = model_provider(model_cfg, rng_tracker)
+    for module in model.modules():  # the GPT's buffers (MoE routers' expert bias and counts) start at zero
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.is_meta:
+                module._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=device)
     return zero_cache.storage_less_parameters(model, device)
 
 
@@ -52,8 +57,14 @@ class ZeroBackend(Backend):
 
     def __init__(self, cfg: Config, model: torch.nn.Module):
         self.module = model
-        decay = [p for p in model.parameters() if p.ndim >= 2]
-        no_decay = [p for p in model.parameters() if p.ndim < 2]
+        dense = [p for p in model.parameters() if not is_expert_param(p)]
+        groups = [{"params": [p for p in dense if p.ndim >= 2], "weight_decay": cfg.optimizer.weight_decay},
+                  {"params": [p for p in dense if p.ndim < 2], "weight_decay": 0.0}]
+        experts = [p for p in model.parameters() if is_expert_param(p)]
+        if experts:  # sharded over the ranks that hold the same experts; each saw the whole DP group's tokens
+            groups.append({"params": experts, "weight_decay": cfg.optimizer.weight_decay,
+                           "dp_group": ps.get_expert_data_parallel_group(),
+                           "gradient_scaling_factor": 1.0 / ps.get_data_parallel_world_size()})
         tied = []
         shared = model.shared_embedding_weight()
         if shared is not None:
@@ -65,8 +76,7 @@ class ZeroBackend(Backend):
                 param_in_grad_norm=lambda p: not getattr(p, "shared", False)
                 and not param_is_tensor_parallel_duplicate(p),
                 tied_param_groups=tied,
-                param_groups=[{"params": decay, "weight_decay": cfg.optimizer.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
+                param_groups=[g for g in groups if g["params"]],
                 param_init=initial_value)
         except zero_cache.ZeroConfigError as e:
             raise ConfigError(str(e)) from None

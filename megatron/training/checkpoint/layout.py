@@ -2,8 +2,9 @@
 
 A global tensor is the parameter of the same model built on one process (TP = PP = 1): layer indices are
 global, tensor-parallel slices are joined along their partition dimension, and the last pipeline stage's copy
-of a tied word embedding is the embedding itself. A tensor replicated across tensor-parallel ranks is stored
-by tp rank 0; the tied copy is stored by the first stage. The word embedding and the output layer may differ
+of a tied word embedding is the embedding itself; an MoE layer's stacked expert weights hold every expert
+(expert-parallel ranks hold consecutive blocks of dimension 0). A tensor replicated across tensor-parallel ranks
+is stored by tp rank 0; the tied copy is stored by the first stage. The word embedding and the output layer may differ
 in their padded vocabulary along dimension 0 (``--make-vocab-size-divisible-by`` x TP).
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ def global_name(name: str, layer_offset: int) -> str:
 def model_layout(model: torch.nn.Module) -> dict[str, GlobalSlice]:
     """{local parameter name: its place} for this rank's ``model`` (a GPTModel pipeline stage)."""
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
     offset, _ = stage_layers(model.config.num_layers, ps.get_pipeline_model_parallel_world_size(),
                              ps.get_pipeline_model_parallel_rank())
     out = {}
@@ -41,6 +43,10 @@ def model_layout(model: torch.nn.Module) -> dict[str, GlobalSlice]:
             d = p.partition_dim
             gshape[d] *= tp
             offsets[d] = tp_rank * shape[d]
+        expert_dim = getattr(p, "expert_partition_dim", None)
+        if expert_dim is not None:
+            gshape[expert_dim] *= ep
+            offsets[expert_dim] = ep_rank * shape[expert_dim]
         shared = getattr(p, "shared", False)  # the last stage's copy of the tied word embedding
         gname = WORD_EMBEDDING if shared else global_name(name, offset)
         writes = not shared and (partitioned or tp_rank == 0)
@@ -52,10 +58,13 @@ def model_layout(model: torch.nn.Module) -> dict[str, GlobalSlice]:
 def layout_function(model: torch.nn.Module):
     """``model_layout`` as the (name, shape) -> GlobalSlice function the checkpoint code takes."""
     places = model_layout(model)
+    offset, _ = stage_layers(model.config.num_layers, ps.get_pipeline_model_parallel_world_size(),
+                             ps.get_pipeline_model_parallel_rank())
 
     def layout(name: str, shape: tuple[int, ...]) -> GlobalSlice:
         place = places.get(name)
-        if place is None:  # a buffer: replicated, stored by tp rank 0 of the first stage that has it
-            return GlobalSlice(name, shape, (0,) * len(shape), ps.get_tensor_model_parallel_rank() == 0)
+        if place is None:  # a buffer (a router's expert bias): replicated over TP, stored by tp rank 0
+            return GlobalSlice(global_name(name, offset), shape, (0,) * len(shape),
+                               ps.get_tensor_model_parallel_rank() == 0)
         return place
     return layout
