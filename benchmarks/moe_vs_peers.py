@@ -39,14 +39,13 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 
 import torch
 
 from benchmarks.peer_workers.harness import LOGS_DIR, PEERS_PYTHON, RESULTS_DIR, BenchSpec, model_config
-from benchmarks.zero3_vs_peers import Row, peers_versions, run_system, tokens_per_s
+from benchmarks.zero3_vs_peers import Row, peers_versions, run_system, tokens_per_s, write_table
 
 PRESETS = {  # layers, hidden, heads, vocab, experts, expert ffn
     "tiny": (2, 128, 4, 1024, 8, 128),
@@ -264,19 +263,6 @@ def header(specs: dict[str, BenchSpec], a: argparse.Namespace) -> list[str]:
     ]
 
 
-def write_table(path: str, argv: list[str] | None, lines: list[str], out: list[str], notes: list[str],
-                steps: list[str]) -> None:
-    command = " ".join(sys.argv[1:] if argv is None else argv)
-    text = [f"    python -m benchmarks.moe_vs_peers {command}".rstrip(), "", "```", *lines, "```", "", *out]
-    if notes:
-        text += ["", "notes:", "", "```", *notes, "```"]
-    text += ["", "Per step (round 1): loss (global batch mean), balancing loss x coefficient (rank 0), routing:", "",
-             "```", *steps, "```"]
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(text) + "\n")
-
-
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     specs = make_specs(a)
@@ -313,7 +299,9 @@ def main(argv: list[str] | None = None) -> None:
         print("\nnotes:\n" + "\n".join(notes))
     print("\nper step (round 1):\n" + "\n".join(steps))
     if a.table:
-        write_table(a.table, argv, lines, out, notes, steps)
+        write_table(a.table, argv, lines, out, notes, steps, script="moe_vs_peers",
+                    steps_title="Per step (round 1): loss (global batch mean), balancing loss x coefficient (rank 0), "
+                                "routing:")
     if a.json:
         with open(a.json, "w", encoding="utf-8") as f:
             json.dump({"specs": {k: dataclasses.asdict(v) for k, v in specs.items()}, "header": lines, "table": out,

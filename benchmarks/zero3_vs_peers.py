@@ -279,13 +279,14 @@ def header(spec: BenchSpec, a: argparse.Namespace) -> list[str]:
 
 
 def write_table(path: str, argv: list[str] | None, lines: list[str], out: list[str], notes: list[str],
-                losses: list[str]) -> None:
-    """The printed report as markdown: the command, the header, the table, the notes and the losses."""
+                losses: list[str], *, script: str = "zero3_vs_peers",
+                steps_title: str = "Losses per step (global batch mean, round 1):") -> None:
+    """The printed report as markdown: the command, the header, the table, the notes and the per-step lines."""
     command = " ".join(sys.argv[1:] if argv is None else argv)
-    text = [f"    python -m benchmarks.zero3_vs_peers {command}".rstrip(), "", "```", *lines, "```", "", *out]
+    text = [f"    python -m benchmarks.{script} {command}".rstrip(), "", "```", *lines, "```", "", *out]
     if notes:
         text += ["", "notes:", "", "```", *notes, "```"]
-    text += ["", "Losses per step (global batch mean, round 1):", "", "```", *losses, "```"]
+    text += ["", steps_title, "", "```", *losses, "```"]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(text) + "\n")

@@ -123,7 +123,7 @@ def test_moe_size_plans_and_passes_the_experts_to_the_trainer(tmp_path):
                      r"ffn 1024, 4 experts top-2 of ffn 512,", plan, re.M), plan
     assert "4 experts per MoE layer, 2 on each rank (EP 2), their states sharded over 2 rank(s) (DP 4 / EP 2)" in plan
     assert re.search(r"^\[start.sh\] size=moe-tiny .*moe: --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size "
-                     r"512 nproc=4 TP=1 PP=1 EP=2 DP=4", proc.stdout, re.M), proc.stdout
+                     r"512 --moe-aux-loss-coeff 1e-2 nproc=4 TP=1 PP=1 EP=2 DP=4", proc.stdout, re.M), proc.stdout
     words = Path(env["LAUNCHED"]).read_text().splitlines()
     assert words[:3] == ["--num_gpus", "4", "pretrain_gpt.py"]
     args = words[3:]

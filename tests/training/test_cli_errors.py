@@ -73,11 +73,11 @@ def test_bad_flags_under_torchrun_exit_2_on_every_rank():
     """Rank 0 prints the one line; every rank leaves with exit code 2 (those torchrun stops too), none with a
     traceback of the trainer; torchrun's own failure report follows."""
     argv = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "pretrain_gpt.py", *TINY_GPT,
-            "--num-experts", "8"]
+            "--num-experts", "6", "--expert-model-parallel-size", "4"]
     proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
     assert proc.returncode != 0
     errors = [ln for ln in proc.stderr.splitlines() if "pretrain_gpt.py: error:" in ln]
-    assert len(errors) == 1 and "--num-experts 8: Mixture-of-Experts is not implemented here" in errors[0], \
+    assert len(errors) == 1 and "--expert-model-parallel-size 4 must divide the data-parallel size 2" in errors[0], \
         proc.stderr
     assert "pretrain_gpt.py\", line" not in proc.stderr  # no traceback from the trainer's code
     codes = re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", proc.stderr, re.M)  # torchrun's table: a row per rank
