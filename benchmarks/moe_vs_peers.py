@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.peer_workers.harness import LOGS_DIR, PEERS_PYTHON, RESULTS_DIR, BenchSpec, model_config
-from benchmarks.zero3_vs_peers import Row, peers_versions, run_system, tokens_per_s, write_table
+from benchmarks.zero3_vs_peers import Row, add_run_args, peers_versions, run_system, tokens_per_s, write_table
 
 PRESETS = {  # layers, hidden, heads, vocab, experts, expert ffn
     "tiny": (2, 128, 4, 1024, 8, 128),
@@ -99,18 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", choices=["zipf", "uniform"], default="zipf",
                    help="the synthetic tokens' law: zipf (as zero3_vs_peers; frequent ids send many tokens to the "
                         "same experts) or uniform (routing starts near an even load)")
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--global-batch", type=int, default=8, help="micro-batch x ranks x accumulation steps")
-    p.add_argument("--steps", type=int, default=4, help="timed steps")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    p.add_argument("--nproc", type=int, default=2, help="ranks (gloo, one machine)")
-    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // 2),
-                   help="intra-op threads per rank (default: cores / 2)")
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--clip-grad", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=1234)
+    add_run_args(p)
     p.add_argument("--page-size", type=int, default=500_000_000,
                    help="zero_cache chunk size in elements (allgather_bucket_size; DeepSpeed's default too)")
     p.add_argument("--systems", nargs="+", choices=list(BY_KEY), default=list(BY_KEY), metavar="SYSTEM",

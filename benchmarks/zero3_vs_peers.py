@@ -121,14 +121,8 @@ class Row:
         return all(abs(o.ranks[0]["losses"][-1] - last) <= rtol * abs(last) for o in self.rounds)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), default="100m",
-                   help="model size: tiny (2x256, vocab 8192) or 100m (12x768, vocab 32000; default)")
-    p.add_argument("--layers", type=int, help="override the preset's number of layers")
-    p.add_argument("--hidden", type=int, help="override the preset's hidden size")
-    p.add_argument("--heads", type=int, help="override the preset's attention heads")
-    p.add_argument("--vocab", type=int, help="override the preset's (padded) vocabulary size")
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """The batch, step, rank and optimizer flags of the peer benchmarks (this one and moe_vs_peers)."""
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--global-batch", type=int, default=8, help="micro-batch x ranks x accumulation steps")
@@ -141,6 +135,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip-grad", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1234)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="100m",
+                   help="model size: tiny (2x256, vocab 8192) or 100m (12x768, vocab 32000; default)")
+    p.add_argument("--layers", type=int, help="override the preset's number of layers")
+    p.add_argument("--hidden", type=int, help="override the preset's hidden size")
+    p.add_argument("--heads", type=int, help="override the preset's attention heads")
+    p.add_argument("--vocab", type=int, help="override the preset's (padded) vocabulary size")
+    add_run_args(p)
     p.add_argument("--page-size", type=int, default=500_000_000,
                    help="zero_cache chunk size in elements (allgather_bucket_size; DeepSpeed ignores it in stage "
                         "3); default: DeepSpeed's and the engine's default 5e8")
