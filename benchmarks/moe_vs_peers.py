@@ -44,8 +44,17 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.peer_workers.harness import LOGS_DIR, PEERS_PYTHON, RESULTS_DIR, BenchSpec, model_config
-from benchmarks.zero3_vs_peers import Row, add_run_args, peers_versions, run_system, tokens_per_s, write_table
+from benchmarks.peer_workers.harness import LOGS_DIR, BenchSpec, model_config
+from benchmarks.zero3_vs_peers import (
+    Row,
+    add_report_args,
+    add_run_args,
+    check_run_args,
+    peers_versions,
+    run_system,
+    tokens_per_s,
+    write_table,
+)
 
 PRESETS = {  # layers, hidden, heads, vocab, experts, expert ffn
     "tiny": (2, 128, 4, 1024, 8, 128),
@@ -102,23 +111,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_run_args(p)
     p.add_argument("--page-size", type=int, default=500_000_000,
                    help="zero_cache chunk size in elements (allgather_bucket_size; DeepSpeed's default too)")
-    p.add_argument("--systems", nargs="+", choices=list(BY_KEY), default=list(BY_KEY), metavar="SYSTEM",
-                   help=f"which rows to run, of: {' '.join(BY_KEY)} (default: all)")
-    p.add_argument("--peers-python", default=os.environ.get("PEERS_PYTHON", PEERS_PYTHON),
-                   help="python of the peers' venv (DeepSpeed); made by benchmarks/peers_env.sh")
-    p.add_argument("--repeat", type=int, default=1, help="rounds over all systems, round-robin (pooled per system)")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per job before it is killed")
-    p.add_argument("--loss-rtol", type=float, default=1e-4, help="allowed relative loss difference from DDP's")
-    p.add_argument("--run-dir", help="logs and per-rank results (default: a new folder under benchmarks/logs/)")
-    p.add_argument("--table", default=os.path.join(RESULTS_DIR, "moe_vs_peers.md"),
-                   help="markdown file the printed report is also written to ('' for none; default: %(default)s)")
-    p.add_argument("--json", help="also write every result to this JSON file")
+    add_report_args(p, list(BY_KEY), "moe_vs_peers.md")
     a = p.parse_args(argv)
-    if a.global_batch % (a.micro_batch * a.nproc):
-        p.error(f"--global-batch {a.global_batch} is not divisible by --micro-batch {a.micro_batch} x --nproc "
-                f"{a.nproc}; choose sizes that divide")
-    if a.steps < 1 or a.warmup < 0 or a.repeat < 1:
-        p.error("--steps and --repeat must be >= 1 and --warmup >= 0")
+    check_run_args(p, a)
     a.ep = a.ep or a.nproc
     if a.nproc % a.ep:
         p.error(f"--ep {a.ep} must divide --nproc {a.nproc}")

@@ -137,6 +137,30 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=1234)
 
 
+def add_report_args(p: argparse.ArgumentParser, systems: list[str], table: str) -> None:
+    """Which systems, how many rounds, where the peers' python is and where the report goes."""
+    p.add_argument("--systems", nargs="+", choices=systems, default=systems, metavar="SYSTEM",
+                   help=f"which rows to run, of: {' '.join(systems)} (default: all)")
+    p.add_argument("--peers-python", default=os.environ.get("PEERS_PYTHON", PEERS_PYTHON),
+                   help="python of the peers' venv (DeepSpeed); made by benchmarks/peers_env.sh")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds over all systems (pooled per system): evens out load from other work on the machine")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per job before it is killed")
+    p.add_argument("--loss-rtol", type=float, default=1e-4, help="allowed relative loss difference from the reference")
+    p.add_argument("--run-dir", help="logs and per-rank results (default: a new folder under benchmarks/logs/)")
+    p.add_argument("--table", default=os.path.join(RESULTS_DIR, table),
+                   help="markdown file the printed report is also written to ('' for none; default: %(default)s)")
+    p.add_argument("--json", help="also write every result to this JSON file")
+
+
+def check_run_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if a.global_batch % (a.micro_batch * a.nproc):
+        p.error(f"--global-batch {a.global_batch} is not divisible by --micro-batch {a.micro_batch} x --nproc "
+                f"{a.nproc}; choose sizes that divide")
+    if a.steps < 1 or a.warmup < 0 or a.repeat < 1:
+        p.error("--steps and --repeat must be >= 1 and --warmup >= 0")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="100m",
@@ -149,24 +173,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=500_000_000,
                    help="zero_cache chunk size in elements (allgather_bucket_size; DeepSpeed ignores it in stage "
                         "3); default: DeepSpeed's and the engine's default 5e8")
-    p.add_argument("--systems", nargs="+", choices=list(BY_KEY), default=list(BY_KEY), metavar="SYSTEM",
-                   help=f"which rows to run, of: {' '.join(BY_KEY)} (default: all)")
-    p.add_argument("--peers-python", default=os.environ.get("PEERS_PYTHON", PEERS_PYTHON),
-                   help="python of the peers' venv (DeepSpeed); made by benchmarks/peers_env.sh")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="rounds over all systems (pooled per system): evens out load from other work on the machine")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per system before it is killed")
-    p.add_argument("--loss-rtol", type=float, default=1e-4, help="allowed relative last-step loss difference")
-    p.add_argument("--run-dir", help="logs and per-rank results (default: a new folder under benchmarks/logs/)")
-    p.add_argument("--table", default=os.path.join(RESULTS_DIR, "zero3_vs_peers.md"),
-                   help="markdown file the printed report is also written to ('' for none; default: %(default)s)")
-    p.add_argument("--json", help="also write every result to this JSON file")
+    add_report_args(p, list(BY_KEY), "zero3_vs_peers.md")
     a = p.parse_args(argv)
-    if a.global_batch % (a.micro_batch * a.nproc):
-        p.error(f"--global-batch {a.global_batch} is not divisible by --micro-batch {a.micro_batch} x --nproc "
-                f"{a.nproc}; choose sizes that divide")
-    if a.steps < 1 or a.warmup < 0 or a.repeat < 1:
-        p.error("--steps and --repeat must be >= 1 and --warmup >= 0")
+    check_run_args(p, a)
     return a
 
 

@@ -23,6 +23,18 @@ def init_or_defer(param: torch.Tensor, make: Callable[[], torch.Tensor]) -> None
             param.copy_(make())
 
 
+def init_whole(param: torch.Tensor, init_method: Callable[[torch.Tensor], None]) -> None:
+    """A parameter every rank holds whole: ``init_method`` on an fp32 tensor of its shape, now or deferred."""
+    shape = tuple(param.shape)
+
+    def make() -> torch.Tensor:
+        t = torch.empty(shape, dtype=torch.float32, device="cpu")
+        init_method(t)
+        return t
+
+    init_or_defer(param, make)
+
+
 def defer_constant(param: torch.Tensor | None, value: float) -> None:
     """A parameter created already filled with ``value`` (biases, norm weights): record it when on meta."""
     if param is not None and param.is_meta:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.core import parallel_state as ps
-from megatron.core.deferred_init import init_or_defer
+from megatron.core.deferred_init import init_whole
 from megatron.core.moe.aux_loss import AuxLossScale, MoEStats
 from megatron.core.moe.router import TopKRouter
 from megatron.core.tensor_parallel import (
@@ -41,14 +41,7 @@ class PositionEmbedding(nn.Module):
         shape = (config.max_position_embeddings, config.hidden_size)
         self.weight = nn.Parameter(torch.empty(shape))
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
-        init = config.init_method("embedding.position_embeddings.weight")
-
-        def make() -> torch.Tensor:
-            t = torch.empty(shape, dtype=torch.float32, device="cpu")
-            init(t)
-            return t
-
-        init_or_defer(self.weight, make)
+        init_whole(self.weight, config.init_method("embedding.position_embeddings.weight"))
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
         return embedding(position_ids, self.weight, fuse=self.gradient_accumulation_fusion)

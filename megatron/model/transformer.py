@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megatron.core import parallel_state as ps
-from megatron.core.deferred_init import defer_norm, init_or_defer
+from megatron.core.deferred_init import defer_norm, init_whole
 from megatron.core.moe.aux_loss import AuxLossScale, MoEStats
 from megatron.core.moe.layer import MoELayer
 from megatron.core.tensor_parallel import ColumnParallelLinear, RNGStatesTracker, RowParallelLinear, divide
@@ -108,13 +108,7 @@ class SharedExpertMLP(MLP):
         self.gated = config.moe.shared_expert_gate
         if self.gated:
             self.gate_weight = nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype))
-            init = config.init_method(prefix + "gate_weight")
-
-            def make() -> torch.Tensor:
-                t = torch.empty(1, config.hidden_size, dtype=torch.float32)
-                init(t)
-                return t
-            init_or_defer(self.gate_weight, make)
+            init_whole(self.gate_weight, config.init_method(prefix + "gate_weight"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)

@@ -15,12 +15,12 @@ from megatron.model.gpt_model import GPTModel
 from megatron.training.checkpoint.ddp_states import DataParallelStates
 from megatron.training.checkpoint.layout import layout_function
 from megatron.training.checkpoint.names import iteration_dir
+from tests.checkpoint.hf_models import SEQ, VOCAB, hf_logits, hf_tokens, random_hf_model
 from tests.dist_utils import run_distributed
 from tools.checkpoint import convert_from_hf, convert_to_hf
 from tools.checkpoint.loader import model_config_from_args, open_checkpoint, read_args
 from zero_cache.checkpoint import CheckpointError, distributed
 
-VOCAB, SEQ = 100, 16
 HF_CONFIGS = {
     "gpt2": GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
                        embd_pdrop=0.0, attn_pdrop=0.0),  # activation gelu_new: --openai-gelu
@@ -34,23 +34,7 @@ HF_CONFIGS = {
 
 
 def _hf_model(name: str, path: str):
-    """A tiny random Hugging Face model (every weight perturbed, biases and norms included), saved at ``path``."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(HF_CONFIGS[name]).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    model.save_pretrained(path)
-    return model
-
-
-def _tokens() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
-
-
-def _hf_logits(model) -> torch.Tensor:
-    with torch.no_grad():
-        return model(_tokens()).logits
+    return random_hf_model(HF_CONFIGS[name], path)
 
 
 @pytest.mark.parametrize("name", list(HF_CONFIGS))
@@ -62,11 +46,11 @@ def test_logits_equal_transformers_at_tp1(single_rank, tmp_path, name):
     cfg = model_config_from_args(args)
     model = GPTModel(cfg).eval()
     model.load_state_dict({n: ours(n) for n, _ in model.named_parameters()}, strict=True)
-    ids = _tokens()
+    ids = hf_tokens()
     with torch.no_grad():
         logits = model(ids, torch.arange(SEQ).expand(2, -1))
     assert logits.shape[-1] == cfg.padded_vocab_size == 128  # padded for TP 1 and 128
-    torch.testing.assert_close(logits[..., :VOCAB], _hf_logits(hf), rtol=0, atol=1e-4)
+    torch.testing.assert_close(logits[..., :VOCAB], hf_logits(hf), rtol=0, atol=1e-4)
     assert ("--openai-gelu" in flags) == (name == "gpt2")
     assert ("--group-query-attention" in flags) == (name == "llama-gqa")
 
@@ -83,7 +67,7 @@ def _pipeline_logits(rank, world, ckpt, hf_dir):
     distributed.load(iteration_dir(ckpt, 0), DataParallelStates(model, opt), layout=layout_function(model),
                      optimizer=False)
     model.eval()
-    ids, pos = _tokens(), torch.arange(SEQ).expand(2, -1)
+    ids, pos = hf_tokens(), torch.arange(SEQ).expand(2, -1)
     with torch.no_grad():
         if ps.is_pipeline_first_stage():
             torch.distributed.send(model(ids, pos), ps.get_pipeline_model_parallel_next_rank())
@@ -93,7 +77,7 @@ def _pipeline_logits(rank, world, ckpt, hf_dir):
         model.set_input_tensor(hidden)
         logits = model(ids, pos)
     hf = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
-    return logits[..., :VOCAB], _hf_logits(hf)
+    return logits[..., :VOCAB], hf_logits(hf)
 
 
 @pytest.mark.multiprocess

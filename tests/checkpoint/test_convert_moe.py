@@ -19,13 +19,13 @@ from megatron.training.arguments.parse import build_parser
 from megatron.training.checkpoint.checkpointer import write_tracker
 from megatron.training.checkpoint.layout import layout_function
 from megatron.training.checkpoint.names import iteration_dir
+from tests.checkpoint.hf_models import SEQ, VOCAB, hf_logits, hf_tokens, random_hf_model
 from tests.dist_utils import run_distributed
 from tools.checkpoint import convert_from_hf, convert_to_hf, hf_mapping
 from tools.checkpoint.loader import expected_names, model_config_from_args, open_checkpoint, read_args
 from zero_cache.checkpoint import CheckpointError, distributed
 from zero_cache.checkpoint.interface import PARAM, StatePiece
 
-VOCAB, SEQ = 100, 16
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                max_position_embeddings=SEQ, rms_norm_eps=1e-6, num_experts_per_tok=2)
 HF_CONFIGS = {
@@ -43,24 +43,8 @@ HF_CONFIGS = {
 
 
 def _hf_model(name: str, path: str, **save):
-    """A tiny random Hugging Face model (every weight perturbed; routers spread out so that the top k are
-    clear-cut), saved at ``path``."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(HF_CONFIGS[name]).eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.add_((1.0 if n.endswith("mlp.gate.weight") else 0.05) * torch.randn_like(p))
-    model.save_pretrained(path, **save)
-    return model
-
-
-def _tokens() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
-
-
-def _hf_logits(model) -> torch.Tensor:
-    with torch.no_grad():
-        return model(_tokens()).logits
+    """A tiny random Hugging Face model, its routers spread out so that the top k are clear-cut."""
+    return random_hf_model(HF_CONFIGS[name], path, lambda n: 1.0 if n.endswith("mlp.gate.weight") else 0.05, **save)
 
 
 @pytest.mark.parametrize("name", list(HF_CONFIGS))
@@ -73,8 +57,8 @@ def test_logits_equal_transformers_at_ep1(single_rank, tmp_path, name):
     model = GPTModel(cfg).eval()
     model.load_state_dict({n: ours(n) for n, _ in model.named_parameters()}, strict=True)
     with torch.no_grad():
-        logits = model(_tokens(), torch.arange(SEQ).expand(2, -1))
-    torch.testing.assert_close(logits[..., :VOCAB], _hf_logits(hf), rtol=0, atol=1e-4)
+        logits = model(hf_tokens(), torch.arange(SEQ).expand(2, -1))
+    torch.testing.assert_close(logits[..., :VOCAB], hf_logits(hf), rtol=0, atol=1e-4)
     assert flags[flags.index("--num-experts") + 1] == "4"
     assert ("--moe-router-pre-softmax" in flags) == (name == "qwen2_moe")  # norm_topk_prob False
     assert ("--moe-shared-expert-gate" in flags) == name.startswith("qwen2_moe")
@@ -137,7 +121,7 @@ def _expert_parallel_logits(rank, world, ckpt, resaved, hf_dir, tp, pp):
     distributed.load(iteration_dir(ckpt, 0), weights, layout=layout, optimizer=False)
     experts = model.decoder.layers[0].mlp.experts.linear_fc2.weight
     assert experts.shape[0] == 2  # two of the four experts on this rank
-    ids, pos = _tokens(), torch.arange(SEQ).expand(2, -1)
+    ids, pos = hf_tokens(), torch.arange(SEQ).expand(2, -1)
     with torch.no_grad():
         if ps.is_pipeline_first_stage():
             out = model(ids, pos)
@@ -153,7 +137,7 @@ def _expert_parallel_logits(rank, world, ckpt, resaved, hf_dir, tp, pp):
     if not ps.is_pipeline_last_stage():
         return None
     hf = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
-    return out[..., :VOCAB], _hf_logits(hf)
+    return out[..., :VOCAB], hf_logits(hf)
 
 
 @pytest.mark.multiprocess

@@ -1,10 +1,7 @@
 """Mixture of experts on a GPU (skipped without one; benchmarks/gpu_check.sh runs them on a GPU machine): the
-grouped matmul torch offers there (bf16), the MoE layer on CUDA against the same layer on the CPU, and an MoE
-GPT trained by pretrain_gpt.py through the ZeRO-3 engine with host offload against the Megatron backend."""
+grouped matmul torch offers there (bf16) and the MoE layer on CUDA against the same layer on the CPU. An MoE GPT
+through the trainer on a GPU: test_cuda_paths.py's trainer test."""
 from __future__ import annotations
-
-import json
-import math
 
 import pytest
 import torch
@@ -16,11 +13,9 @@ from megatron.core.transformer_config import TransformerConfig
 from megatron.model.transformer import build_mlp
 from tests.cuda.common import CUDA, gpu_only, strict_fp32
 from tests.dist_utils import run_distributed
-from tests.training.parallel_harness import TINY_GPT
 
 pytestmark = gpu_only()
 RANK_TIMEOUT = 120
-MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--swiglu", "--moe-aux-loss-coeff", "0.01"]
 
 
 def test_grouped_matmul_runs_in_bf16_on_the_gpu():
@@ -63,32 +58,3 @@ def _layer_on_cuda_and_cpu(rank: int, world: int) -> bool:
 @pytest.mark.multiprocess
 def test_moe_layer_on_cuda_equals_the_cpu_layer():
     assert run_distributed(_layer_on_cuda_and_cpu, 1, backend="nccl", timeout=RANK_TIMEOUT)[0]
-
-
-def _train(rank: int, world: int, argv: list[str]) -> dict:
-    strict_fp32()
-    from pretrain_gpt import main
-
-    result = main(argv)
-    return {"losses": result.losses, "tiers": result.backend.memory_tiers()}
-
-
-@pytest.mark.multiprocess
-def test_moe_trainer_deepspeed_on_gpu_matches_megatron_backend(tmp_path):
-    argv = list(TINY_GPT) + MOE_FLAGS
-    argv[argv.index("--distributed-backend") + 1] = "nccl"
-    ds = tmp_path / "ds_zero3_offload.json"
-    ds.write_text(json.dumps({"zero_optimization": {
-        "stage": 3, "allgather_bucket_size": 3000, "stage3_param_persistence_threshold": 64, "sub_group_size": 5000,
-        "offload_optimizer": {"device": "cpu", "pin_memory": True},
-        "offload_param": {"device": "cpu", "pin_memory": True}}}))
-    zero = ["--deepspeed", "--deepspeed_config", str(ds)]
-    ddp, z32, z16 = (run_distributed(_train, 1, a, backend="nccl", timeout=RANK_TIMEOUT)[0]
-                     for a in (argv, argv + zero, argv + zero + ["--bf16"]))
-    ref = ddp["losses"]
-    assert sorted(ref) == list(range(1, 11)) and ref[10] < ref[1]
-    for it in ref:
-        assert z32["losses"][it] == pytest.approx(ref[it], rel=1e-5), f"fp32 iteration {it}"
-        assert math.isfinite(z16["losses"][it]) and z16["losses"][it] == pytest.approx(ref[it], rel=5e-2), \
-            f"bf16 iteration {it}"
-    assert z32["tiers"]["host states"] > 0

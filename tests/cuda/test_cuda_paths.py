@@ -1,8 +1,8 @@
 """Paths only a GPU reaches (skipped without one; benchmarks/gpu_check.sh runs them on a GPU machine):
 pinned host shards, NCCL collectives including group_all_reduce's host->device staging, the SSD tier
 behind a CUDA compute device, the gathered-parameter arena in device memory, and pretrain_gpt.py
---deepspeed on a GPU. fp32 with TF32 off throughout, compared with a single-process fp32 reference on the
-same GPU (the ``reference`` fixture, tests/cuda/conftest.py)."""
+--deepspeed on a GPU (a dense and a mixture-of-experts GPT). fp32 with TF32 off throughout, compared with a
+single-process fp32 reference on the same GPU (the ``reference`` fixture, tests/cuda/conftest.py)."""
 from __future__ import annotations
 
 import json
@@ -218,9 +218,13 @@ def _train_on_gpu(rank: int, world_size: int, argv: list[str]) -> dict:
             "devices": sorted({p.device.type for p in result.model.parameters()})}
 
 
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--swiglu", "--moe-aux-loss-coeff", "0.01"]
+
+
 @pytest.mark.multiprocess
-def test_trainer_deepspeed_on_gpu_matches_megatron_backend(tmp_path):
-    argv = list(TINY_GPT)
+@pytest.mark.parametrize("model", [[], MOE], ids=["dense", "moe"])
+def test_trainer_deepspeed_on_gpu_matches_megatron_backend(tmp_path, model):
+    argv = list(TINY_GPT) + model
     argv[argv.index("--distributed-backend") + 1] = "nccl"
     ds = tmp_path / "ds_zero3_offload.json"
     ds.write_text(json.dumps({"zero_optimization": {

@@ -28,10 +28,10 @@ EXPECTED = {
     "test_cuda_paths.py::test_nccl_group_of_one_through_the_engine_comm_path",
     "test_cuda_paths.py::test_ssd_tier_on_cuda_matches_fp32_reference",
     "test_cuda_paths.py::test_param_arena_on_device_matches_fp32_reference",
-    "test_cuda_paths.py::test_trainer_deepspeed_on_gpu_matches_megatron_backend",
+    "test_cuda_paths.py::test_trainer_deepspeed_on_gpu_matches_megatron_backend[dense]",
+    "test_cuda_paths.py::test_trainer_deepspeed_on_gpu_matches_megatron_backend[moe]",
     "test_cuda_moe.py::test_grouped_matmul_runs_in_bf16_on_the_gpu",
     "test_cuda_moe.py::test_moe_layer_on_cuda_equals_the_cpu_layer",
-    "test_cuda_moe.py::test_moe_trainer_deepspeed_on_gpu_matches_megatron_backend",
     "test_cuda_streams.py::test_copies_run_on_their_streams_ordered_by_events",
     "test_cuda_streams.py::test_staging_pool_reuses_a_buffer_only_after_its_copy",
     "test_cuda_streams.py::test_host_offload_on_streams_matches_fp32_reference[0.0-False-False]",
@@ -47,7 +47,6 @@ STARTS_PROCESSES = {
     "test_cuda_paths.py::test_nccl_group_of_one_through_the_engine_comm_path",
     "test_cuda_paths.py::test_trainer_deepspeed_on_gpu_matches_megatron_backend",
     "test_cuda_moe.py::test_moe_layer_on_cuda_equals_the_cpu_layer",
-    "test_cuda_moe.py::test_moe_trainer_deepspeed_on_gpu_matches_megatron_backend",
 }
 # Names whose use in a test's body means it starts processes.
 PROCESS_STARTERS = {"run_distributed", "subprocess", "Popen", "multiprocessing", "Process"}
@@ -86,7 +85,7 @@ def test_every_cuda_test_would_run_on_a_gpu_and_is_skipped_without_one(tmp_path)
     for node, entry in with_gpu.items():
         assert entry["setup"] == "passed", (node, entry)  # not skipped
         assert "cuda" in entry["markers"], node
-        assert ("multiprocess" in entry["markers"]) == (node in STARTS_PROCESSES), node
+        assert ("multiprocess" in entry["markers"]) == (node.split("[")[0] in STARTS_PROCESSES), node
 
     without = _plan(tmp_path, "absent")
     assert set(without) == EXPECTED

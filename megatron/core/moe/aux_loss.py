@@ -45,25 +45,31 @@ class MoEStats:
 
     def __init__(self, num_layers: int, num_experts: int):
         self.num_layers, self.num_experts = num_layers, num_experts
-        self._sums = torch.zeros(num_layers, len(self.KEYS) + 1 + num_experts, dtype=torch.float64, device="cpu")
+        self._sums: torch.Tensor | None = None  # on the device of the recorded tensors: recording never syncs
 
     def record(self, layer: int, losses: dict[str, torch.Tensor], tokens_per_expert: torch.Tensor) -> None:
+        if self._sums is None:
+            self._sums = torch.zeros(self.num_layers, len(self.KEYS) + 1 + self.num_experts, dtype=torch.float64,
+                                     device=tokens_per_expert.device)
         row = self._sums[layer]
         for i, key in enumerate(self.KEYS):
             if key in losses:
-                row[i] += float(losses[key].detach())
+                row[i] += losses[key].detach().double()
         row[len(self.KEYS)] += 1  # micro-batches
-        row[len(self.KEYS) + 1:] += tokens_per_expert.detach().to("cpu", torch.float64)
+        row[len(self.KEYS) + 1:] += tokens_per_expert.detach()
 
     def reduce_and_reset(self, group: dist.ProcessGroup | None, device: torch.device) -> dict[str, float]:
         """Every rank of ``group`` (the world: each stage holds its own layers) calls this together. Returns the
         losses averaged over layers, micro-batches and ranks, and the load imbalance (max / mean choices per
         expert) of each MoE layer and of the most and least imbalanced one."""
-        sums = self._sums.to(device, copy=True)
+        width = len(self.KEYS) + 1 + self.num_experts  # zeros on a stage without MoE layers, or before any record
+        sums = torch.zeros(self.num_layers, width, dtype=torch.float64, device=device) if self._sums is None \
+            else self._sums.to(device, copy=True)
         if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(sums, group=group)
         sums = sums.cpu()
-        self._sums.zero_()
+        if self._sums is not None:
+            self._sums.zero_()
         seen = sums[:, len(self.KEYS)] > 0
         if not seen.any():
             return {}

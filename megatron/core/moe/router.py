@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.core.deferred_init import init_or_defer
+from megatron.core.deferred_init import init_whole
 from megatron.core.moe.config import MoEConfig
 
 
@@ -52,13 +52,7 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.moe = moe
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size, dtype=params_dtype))
-
-        def make() -> torch.Tensor:
-            t = torch.empty(moe.num_experts, hidden_size, dtype=torch.float32)
-            init_method(t)
-            return t
-
-        init_or_defer(self.weight, make)
+        init_whole(self.weight, init_method)
         if moe.enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(moe.num_experts, dtype=torch.float32))
             # Choices per expert since the last update, summed over micro-batches (not saved).
