@@ -11,6 +11,8 @@ _LAZY = {
     "ZeroCacheConfig": ".config", "ZeroConfigError": ".config", "parse_config": ".config",
     "ShardStore": ".store", "DeviceHostStore": ".store", "MemoryReport": ".store",
     "SSDStore": ".ssd_store", "SSDTierError": ".aio",
+    "ActivationOffloader": ".activation_offload", "ActivationOffloadOptions": ".activation_offload",
+    "ActivationOffloadStats": ".activation_offload",
 }
 
 __all__ = [*_LAZY]

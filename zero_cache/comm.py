@@ -38,14 +38,14 @@ import torch.distributed as dist
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 
 
-def _all_gather_flat(*args, **kwargs):
+def all_gather_flat(*args, **kwargs):
     """torch.distributed's flat-tensor all-gather, looked up when called (torch 2.13 names it
     ``all_gather_single``; older releases, such as the GPU images' 2.11, ``all_gather_into_tensor``)."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(*args, **kwargs)
 
 
-def _reduce_scatter_flat(*args, **kwargs):
+def reduce_scatter_flat(*args, **kwargs):
     """The flat-tensor reduce-scatter: ``reduce_scatter_single`` (2.13) or ``reduce_scatter_tensor``."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(*args, **kwargs)
@@ -279,14 +279,14 @@ class Comm:
             if out.data_ptr() != shard.data_ptr():
                 out.copy_(shard)
         collective = (partial(self._p2p_all_gather, out, shard) if self.p2p and out.device.type == "cpu"
-                      else partial(_all_gather_flat, out, shard, group=self.group, async_op=True))
+                      else partial(all_gather_flat, out, shard, group=self.group, async_op=True))
         return self._run("all_gather", tag, out, collective, local, async_op, after)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, tag: str = "", async_op: bool = False) -> Handle:
         def local():
             out.copy_(full)
         collective = (partial(self._p2p_reduce_scatter, out, full) if self.p2p and full.device.type == "cpu"
-                      else partial(_reduce_scatter_flat, out, full, group=self.group, async_op=True))
+                      else partial(reduce_scatter_flat, out, full, group=self.group, async_op=True))
         return self._run("reduce_scatter", tag, full, collective, local, async_op)
 
     def all_reduce(self, t: torch.Tensor, op=None, tag: str = "") -> None:

@@ -19,7 +19,7 @@ from .stream_interface import DONE, H2D, STAGING_BUFFERS, CopyStats, Event, Stre
 
 # The interface's names the engine's modules take from here, besides this module's own.
 __all__ = ["DONE", "STAGING_BUFFERS", "CopyStats", "Streams", "HostStreams", "CudaEvent", "CudaStreams",
-           "separate_memory", "make_streams"]
+           "separate_memory", "make_streams", "device_copy_streams"]
 
 
 class HostStreams(Streams):
@@ -145,3 +145,8 @@ def make_streams(cfg: ZeroCacheConfig, device: torch.device, rank: int = 0) -> S
     if device.type == "cuda":
         return CudaStreams(device)
     return HostStreams()
+
+
+def device_copy_streams(device: torch.device) -> Streams:
+    """The copy engines of a bare ``device`` (no engine config): CUDA streams, or plain host memory on a CPU."""
+    return CudaStreams(device) if device.type == "cuda" else HostStreams()

@@ -1,9 +1,15 @@
-"""Process-group registry for the tensor x data x pipeline mesh, with expert parallelism inside data parallelism.
+"""Process-group registry for the tensor x context x data x pipeline mesh, with expert parallelism inside data
+parallelism.
 
 Rank order follows Megatron-LM: tensor-parallel ranks are adjacent (fastest
-varying), then data-parallel, then pipeline stages:
+varying), then context-parallel, then data-parallel, then pipeline stages:
 
-    global_rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+    global_rank = pp_rank * (dp * cp * tp) + dp_rank * (cp * tp) + cp_rank * tp + tp_rank
+
+Context-parallel (CP) ranks split each sequence and hold the same weights, so
+gradients are reduced (and ZeRO-sharded) over data x context parallelism
+(``get_data_parallel_group(with_context_parallel=True)``), while the data
+loader and the loss average see the data-parallel ranks only.
 
 Expert parallelism (EP) splits each data-parallel group into blocks of EP
 adjacent data-parallel ranks (Megatron-core's order): within a block the
@@ -34,12 +40,16 @@ class _Groups:
     dp: int
     tp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
+    cp_group: dist.ProcessGroup  # ranks that split one sequence
+    dp_cp_group: dist.ProcessGroup  # data x context: where gradients of replicated weights are reduced
     pp_group: dist.ProcessGroup
     mp_group: dist.ProcessGroup  # tp x pp: everything that holds a different part of one model replica
     embedding_group: dist.ProcessGroup | None  # first + last stage of this pipeline (tied embeddings)
     pp_ranks: list[int] = field(default_factory=list)  # global ranks of this rank's pipeline, stage order
     dp_ranks: list[int] = field(default_factory=list)
     tp_ranks: list[int] = field(default_factory=list)
+    cp_ranks: list[int] = field(default_factory=list)
+    dp_cp_ranks: list[int] = field(default_factory=list)
     ep: int = 1
     ep_group: dist.ProcessGroup | None = None  # ranks that split the experts (and exchange tokens)
     expert_dp_group: dist.ProcessGroup | None = None  # ranks that hold the same experts
@@ -50,17 +60,20 @@ class _Groups:
 _GROUPS: _Groups | None = None
 
 
-def mesh_sizes(world_size: int, tensor_model_parallel_size: int, pipeline_model_parallel_size: int) -> int:
+def mesh_sizes(world_size: int, tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
+               context_parallel_size: int = 1) -> int:
     """Return the data-parallel size, or raise a clear error when the mesh does not divide the world."""
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    if tp < 1 or pp < 1:
-        raise ParallelConfigError(f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) "
-                                  "must be >= 1")
-    if world_size % (tp * pp) != 0:
+    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
+    if tp < 1 or pp < 1 or cp < 1:
+        raise ParallelConfigError(f"--tensor-model-parallel-size ({tp}), --pipeline-model-parallel-size ({pp}) and "
+                                  f"--context-parallel-size ({cp}) must be >= 1")
+    if world_size % (tp * pp * cp) != 0:
+        what = f"tensor-parallel size {tp} x pipeline-parallel size {pp}" + (
+            f" x context-parallel size {cp}" if cp > 1 else "")
         raise ParallelConfigError(
-            f"world size {world_size} is not divisible by tensor-parallel size {tp} x pipeline-parallel size {pp} "
-            f"= {tp * pp}; launch a multiple of {tp * pp} processes or change the parallel sizes")
-    return world_size // (tp * pp)
+            f"world size {world_size} is not divisible by {what} = {tp * pp * cp}; launch a multiple of "
+            f"{tp * pp * cp} processes or change the parallel sizes")
+    return world_size // (tp * pp * cp)
 
 
 def check_expert_parallel_size(expert_model_parallel_size: int, data_parallel_size: int) -> None:
@@ -72,19 +85,24 @@ def check_expert_parallel_size(expert_model_parallel_size: int, data_parallel_si
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                              timeout: datetime.timedelta | None = None, expert_model_parallel_size: int = 1) -> None:
+                              timeout: datetime.timedelta | None = None, expert_model_parallel_size: int = 1,
+                              context_parallel_size: int = 1) -> None:
     """Create every process group of the mesh. All ranks must call this, in the same order."""
     global _GROUPS
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed must be initialised before initialize_model_parallel()")
     world, rank = dist.get_world_size(), dist.get_rank()
     tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
-    dp = mesh_sizes(world, tp, pp)
+    cp = context_parallel_size
+    dp = mesh_sizes(world, tp, pp, cp)
     check_expert_parallel_size(ep, dp)
+    if ep > 1 and cp > 1:
+        raise ParallelConfigError("expert parallelism with context parallelism is not supported; use "
+                                  "--expert-model-parallel-size 1 or --context-parallel-size 1")
     kw = {"timeout": timeout} if timeout is not None else {}
 
-    def rank_of(p: int, d: int, t: int) -> int:
-        return p * dp * tp + d * tp + t
+    def rank_of(p: int, d: int, t: int, c: int = 0) -> int:
+        return p * dp * cp * tp + d * cp * tp + c * tp + t
 
     found: dict[str, tuple[dist.ProcessGroup | None, list[int]]] = {}
 
@@ -95,19 +113,29 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
 
     for p in range(pp):
         for d in range(dp):
-            make("tp", [rank_of(p, d, t) for t in range(tp)])
+            for c in range(cp):
+                make("tp", [rank_of(p, d, t, c) for t in range(tp)])
+    for p in range(pp):
+        for d in range(dp):
+            for t in range(tp):
+                make("cp", [rank_of(p, d, t, c) for c in range(cp)])
     for p in range(pp):
         for t in range(tp):
-            make("dp", [rank_of(p, d, t) for d in range(dp)])
+            for c in range(cp):
+                make("dp", [rank_of(p, d, t, c) for d in range(dp)])
+            make("dp_cp", [rank_of(p, d, t, c) for d in range(dp) for c in range(cp)])
     for d in range(dp):
-        for t in range(tp):
-            make("pp", [rank_of(p, d, t) for p in range(pp)])
+        for c in range(cp):
+            for t in range(tp):
+                make("pp", [rank_of(p, d, t, c) for p in range(pp)])
     for d in range(dp):
-        make("mp", [rank_of(p, d, t) for p in range(pp) for t in range(tp)])
+        for c in range(cp):
+            make("mp", [rank_of(p, d, t, c) for p in range(pp) for t in range(tp)])
     for d in range(dp):
-        for t in range(tp):
-            if pp > 1:
-                make("emb", [rank_of(0, d, t), rank_of(pp - 1, d, t)])
+        for c in range(cp):
+            for t in range(tp):
+                if pp > 1:
+                    make("emb", [rank_of(0, d, t, c), rank_of(pp - 1, d, t, c)])
 
     if ep > 1:
         for p in range(pp):
@@ -121,15 +149,17 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
 
     emb = found.get("emb", (None, []))[0]
     _GROUPS = _Groups(tp=tp, pp=pp, dp=dp, tp_group=found["tp"][0], dp_group=found["dp"][0],
+                      cp_group=found["cp"][0], dp_cp_group=found["dp_cp"][0],
                       pp_group=found["pp"][0], mp_group=found["mp"][0], embedding_group=emb,
-                      pp_ranks=found["pp"][1], dp_ranks=found["dp"][1], tp_ranks=found["tp"][1], ep=ep)
+                      pp_ranks=found["pp"][1], dp_ranks=found["dp"][1], tp_ranks=found["tp"][1],
+                      cp_ranks=found["cp"][1], dp_cp_ranks=found["dp_cp"][1], ep=ep)
     if ep > 1:
         _GROUPS.ep_group, _GROUPS.ep_ranks = found["ep"]
         _GROUPS.expert_dp_group = found["edp"][0]
         _GROUPS.expert_mp_group = found["emp"][0]
     else:  # every rank holds every expert: the expert groups are the dense ones
         _GROUPS.ep_ranks = [rank]
-        _GROUPS.expert_dp_group, _GROUPS.expert_mp_group = _GROUPS.dp_group, _GROUPS.mp_group
+        _GROUPS.expert_dp_group, _GROUPS.expert_mp_group = _GROUPS.dp_cp_group, _GROUPS.mp_group
 
 
 def model_parallel_is_initialized() -> bool:
@@ -151,8 +181,26 @@ def get_tensor_model_parallel_group() -> dist.ProcessGroup:
     return _g().tp_group
 
 
-def get_data_parallel_group() -> dist.ProcessGroup:
-    return _g().dp_group
+def get_data_parallel_group(with_context_parallel: bool = False) -> dist.ProcessGroup:
+    """The ranks that see different samples; ``with_context_parallel``: and those that see other parts of the
+    same samples (where gradients of replicated weights are reduced)."""
+    return _g().dp_cp_group if with_context_parallel else _g().dp_group
+
+
+def get_context_parallel_group() -> dist.ProcessGroup:
+    return _g().cp_group
+
+
+def get_context_parallel_world_size() -> int:
+    return len(_g().cp_ranks)
+
+
+def get_context_parallel_rank() -> int:
+    return _g().cp_ranks.index(dist.get_rank())
+
+
+def get_context_parallel_global_ranks() -> list[int]:
+    return list(_g().cp_ranks)
 
 
 def get_pipeline_model_parallel_group() -> dist.ProcessGroup:
@@ -175,16 +223,16 @@ def get_pipeline_model_parallel_world_size() -> int:
     return _g().pp
 
 
-def get_data_parallel_world_size() -> int:
-    return _g().dp
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    return len(_g().dp_cp_ranks) if with_context_parallel else _g().dp
 
 
 def get_tensor_model_parallel_rank() -> int:
     return _g().tp_ranks.index(dist.get_rank())
 
 
-def get_data_parallel_rank() -> int:
-    return _g().dp_ranks.index(dist.get_rank())
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    return (_g().dp_cp_ranks if with_context_parallel else _g().dp_ranks).index(dist.get_rank())
 
 
 def get_pipeline_model_parallel_rank() -> int:

@@ -36,9 +36,14 @@ class TransformerConfig:
     attention_dropout: float = 0.1  # dropout on the attention probabilities
     init_method_std: float = 0.02  # std of the normal weight initialisation
     precision: str = "fp32"  # fp32 | bf16 | fp16
-    recompute_granularity: str | None = None  # "full" or None
+    recompute_granularity: str | None = None  # "full", "selective" (the attention core only) or None
     recompute_method: str = "uniform"  # uniform | block
     recompute_num_layers: int = 1  # layers per recompute chunk (uniform) or recomputed layers per stage (block)
+    # Activations saved by the first N layers of each model chunk go to host memory (-1: all but its last layer).
+    cpu_offloading_num_layers: int = 0
+    # Mesh-dependent behaviour (the sizes themselves come from parallel_state):
+    sequence_parallel: bool = False  # outside the tensor-parallel regions, TP ranks hold 1/TP of the sequence
+    cp_comm_type: str = "p2p"  # context-parallel attention: p2p (ring) | a2a (all-to-all between sequence and heads)
     seed: int = 1234  # weights are initialised from (seed, parameter name)
     # Linear and embedding layers add their weight gradient into the gradient buffer (DDP's main_grad or the ZeRO
     # engine's) themselves: autograd allocates no gradient tensor per matrix or embedding table.

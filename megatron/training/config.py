@@ -64,6 +64,7 @@ class ModelConfig:
     recompute_granularity: str | None = None  # "full": recompute each layer's activations in backward
     recompute_method: str = "uniform"  # uniform | block
     recompute_num_layers: int = 1  # layers per recompute chunk (uniform) or recomputed layers per stage (block)
+    cpu_offloading_num_layers: int = 0  # layers per model chunk whose activations go to host; -1: all but the last
     seed: int = 1234  # weights are initialised from (seed, parameter name)
     gradient_accumulation_fusion: bool = True  # linear/embedding layers add weight gradients into the buffers
     attention_backend: str = "auto"  # scaled_dot_product_attention's kernel (attention_backend.py); not the model's
@@ -95,15 +96,16 @@ class ModelConfig:
             init_method_std=self.init_method_std, precision=self.precision,
             recompute_granularity=self.recompute_granularity, recompute_method=self.recompute_method,
             recompute_num_layers=self.recompute_num_layers, seed=self.seed,
+            cpu_offloading_num_layers=self.cpu_offloading_num_layers,
             gradient_accumulation_fusion=self.gradient_accumulation_fusion, moe=self.moe)
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """The tensor x data x pipeline mesh and the batch it splits."""
+    """The tensor x context x data x pipeline mesh and the batch it splits."""
     tensor_model_parallel_size: int  # ranks that split each layer's matrices
     pipeline_model_parallel_size: int  # stages the layers are split into
-    data_parallel_size: int  # world size / (tensor x pipeline)
+    data_parallel_size: int  # world size / (tensor x context x pipeline)
     micro_batch_size: int  # samples per forward/backward on one data-parallel rank
     global_batch_size: int  # samples per optimizer step, over all data-parallel ranks
     distributed_backend: str | None  # nccl | gloo; None: nccl when CUDA is available, else gloo
@@ -111,6 +113,14 @@ class ParallelConfig:
     # --rampup-batch-size / --step-batch-size-schedule; None: every step takes global_batch_size samples
     batch_schedule: BatchSchedule | None = None
     expert_model_parallel_size: int = 1  # ranks that split the experts, inside the data-parallel group
+    context_parallel_size: int = 1  # ranks that split every sequence (megatron/core/context_parallel/)
+    cp_comm_type: str = "p2p"  # context-parallel attention: p2p (ring) | a2a (all-to-all, Ulysses)
+    sequence_parallel: bool = False  # TP ranks split the sequence outside the tensor-parallel regions
+    virtual_pipeline_model_parallel_size: int | None = None  # model chunks per stage (interleaved 1F1B); None: 1
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.virtual_pipeline_model_parallel_size or 1
 
     def __post_init__(self):
         if self.expert_model_parallel_size < 1 or self.data_parallel_size % self.expert_model_parallel_size:
@@ -125,6 +135,8 @@ class ParallelConfig:
                 f"--global-batch-size {self.global_batch_size} is not divisible by --micro-batch-size "
                 f"{self.micro_batch_size} x data-parallel size {self.data_parallel_size} = {per_step}; "
                 f"use a multiple of {per_step}")
+        if self.cp_comm_type not in ("p2p", "a2a"):
+            raise ValueError(f"--cp-comm-type {self.cp_comm_type!r}: choose p2p or a2a")
         # Checked for every size now rather than when the schedule reaches it, hours into the run.
         bad = [size for size in self.schedule.sizes() if size % per_step]
         if bad:
@@ -132,6 +144,13 @@ class ParallelConfig:
                 f"the batch-size schedule reaches global batch size {bad[0]}, not divisible by --micro-batch-size "
                 f"{self.micro_batch_size} x data-parallel size {self.data_parallel_size} = {per_step}; make every "
                 f"size of --rampup-batch-size / --step-batch-size-schedule a multiple of {per_step}")
+        pp = self.pipeline_model_parallel_size
+        uneven = [size for size in self.schedule.sizes() if (size // per_step) % pp]
+        if self.virtual_stages > 1 and uneven:
+            raise ValueError(
+                f"the interleaved schedule needs the micro-batches of every step to be a multiple of "
+                f"--pipeline-model-parallel-size {pp}, but global batch size {uneven[0]} makes "
+                f"{uneven[0] // per_step}; use a global batch size that is a multiple of {per_step * pp}")
 
     @property
     def schedule(self) -> BatchSchedule:
@@ -237,6 +256,8 @@ class Config:
             tensor_model_parallel_size=self.parallel.tensor_model_parallel_size,
             pipeline_model_parallel_size=self.parallel.pipeline_model_parallel_size,
             data_parallel_size=self.parallel.data_parallel_size,
+            context_parallel_size=self.parallel.context_parallel_size,
+            virtual_pipeline_model_parallel_size=self.parallel.virtual_pipeline_model_parallel_size,
         )
         if vocab_size is not None:
             out["true_vocab_size"] = vocab_size

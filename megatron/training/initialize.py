@@ -38,7 +38,8 @@ def initialize_distributed(parallel: ParallelConfig) -> torch.device:
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timeout)
     ps.initialize_model_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
-                                 timeout=timeout, expert_model_parallel_size=parallel.expert_model_parallel_size)
+                                 timeout=timeout, expert_model_parallel_size=parallel.expert_model_parallel_size,
+                                 context_parallel_size=parallel.context_parallel_size)
     _configure_logging()
     return device
 

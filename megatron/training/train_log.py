@@ -108,9 +108,10 @@ class TrainLogger:
 
     def log(self, iteration: int, consumed_samples: int, lr: float, loss_scale: float, grad_norm: float | None,
             extra_memory: dict[str, float] | None = None, comm: CommStepStats | None = None,
-            moe: dict[str, float] | None = None) -> str | None:
+            moe: dict[str, float] | None = None, offload: dict[str, int] | None = None) -> str | None:
         """Emit the line for the interval ending at ``iteration``; returns it, and the comm line below it when
-        ``comm`` (the last step's collectives) is given (on the logging rank)."""
+        ``comm`` (the last step's collectives) is given (on the logging rank). ``offload``: the last step's
+        activation offload (--cpu-offloading; zero_cache's ActivationOffloadStats as a dict)."""
         s, now = self.interval, time.perf_counter()
         if self.run_start_iteration is None:
             self.run_start_iteration = iteration - s.iters
@@ -142,8 +143,11 @@ class TrainLogger:
             f"tokens per second: {tokens_per_s:.1f}",
             f"TFLOPs: {tflops:.2f}",
             memory_fields(memory),
-            f"ETA: {datetime.timedelta(seconds=int(eta))}",
         ]
+        if offload is not None:
+            fields.append(f"activations to host (MiB): {offload['offloaded_bytes'] / 2**20:.1f} (peak "
+                          f"{offload['host_peak_bytes'] / 2**20:.1f}, {offload['demand_reloads']} not prefetched)")
+        fields.append(f"ETA: {datetime.timedelta(seconds=int(eta))}")
         line = " | ".join(fields) + " |"
         if comm is not None:
             line += "\n" + " | ".join([f" comm (step {iteration}, data-parallel group)", *comm.fields()]) + " |"
@@ -151,7 +155,8 @@ class TrainLogger:
             scalars = {"lm loss": loss, "learning-rate": lr, "loss-scale": loss_scale,
                        "tokens-per-second": tokens_per_s, "TFLOPs": tflops, "grad-norm": grad_norm,
                        **{f"moe/{key}": value for key, value in moe.items()},
-                       **{f"memory/{name} GiB": gib for name, gib in memory.items()}}
+                       **{f"memory/{name} GiB": gib for name, gib in memory.items()},
+                       **{f"activation-offload/{key}": value for key, value in (offload or {}).items()}}
             if self.cfg.log_timers:
                 scalars["iteration-time"] = per_iter
             if self.cfg.log_batch_size:

@@ -20,6 +20,7 @@ from megatron.core.pipeline_parallel import p2p_communication as p2p
 from megatron.core.pipeline_parallel.schedules import ForwardStepFunc, forward_backward
 from megatron.data import build_pretraining_data_loader
 from megatron.tokenizer import build_tokenizer
+from megatron.training.activation_offload import TrainerActivationOffload
 from megatron.training.attention_backend import attention_backend
 from megatron.training.backends import build_backend, build_model
 from megatron.training.backends.base import Backend, BackendStepResult
@@ -39,6 +40,7 @@ class TrainResult:
     lrs: dict[int, float] = field(default_factory=dict)  # iteration -> the learning rate it trained at
     skipped_iterations: list[int] = field(default_factory=list)  # fp16 overflow / non-finite grad norm
     loss_scales: dict[int, float] = field(default_factory=dict)
+    offloaded_bytes: dict[int, int] = field(default_factory=dict)  # iteration -> activations moved to host
     model: torch.nn.Module | None = None
     backend: Backend | None = None
 
@@ -102,7 +104,9 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
         tokenizer = build_tokenizer(cfg.tokenizer)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
-    model_cfg = cfg.model.transformer_config(tokenizer.vocab_size, cfg.parallel.tensor_model_parallel_size)
+    par = cfg.parallel
+    model_cfg = dataclasses.replace(cfg.model.transformer_config(tokenizer.vocab_size, par.tensor_model_parallel_size),
+                                    sequence_parallel=par.sequence_parallel, cp_comm_type=par.cp_comm_type)
     # The zero_cache engine keeps fp32 masters itself and casts the compute copies: give it an fp32 model.
     build_cfg = dataclasses.replace(model_cfg, precision="fp32") if cfg.zero_cache is not None else model_cfg
     # Checked before the model is built: a kernel that does not exist here is one line, not a failed first step.
@@ -110,6 +114,7 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
                                   model_cfg.kv_channels)
     model = build_model(cfg, model_provider, build_cfg, rng_tracker, device)
     backend = build_backend(cfg, model)
+    offload = TrainerActivationOffload(model, backend, device) if model_cfg.cpu_offloading_num_layers else None
     scheduler = OptimizerParamScheduler(backend.optimizer, cfg.scheduler)
     timeout = datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     checkpoints = CheckpointManager(cfg.checkpoint, backend, scheduler, rng_tracker,
@@ -125,7 +130,7 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
 
     forward_step_func = forward_step_provider(cfg, tokenizer, device)
     train_ds, valid_ds, _ = datasets_provider(cfg, tokenizer, model_cfg.seq_length, num_samples(cfg))
-    par, t = cfg.parallel, cfg.train
+    t = cfg.train
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     workers = cfg.data.num_workers
     train_iter = iter(build_pretraining_data_loader(train_ds, consumed, par.micro_batch_size, dp_rank, dp_size,
@@ -136,8 +141,11 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
         valid_iter = _cyclic(build_pretraining_data_loader(valid_ds, valid_consumed, par.micro_batch_size,
                                                            dp_rank, dp_size, workers))
 
-    spec = p2p.TensorSpec((par.micro_batch_size, model_cfg.seq_length, model_cfg.hidden_size),
-                          model_cfg.params_dtype, device)
+    # What travels between stages: this rank's part of each sequence (1/CP, and 1/TP of that with SP).
+    local_seq = model_cfg.seq_length // par.context_parallel_size
+    if par.sequence_parallel:
+        local_seq //= par.tensor_model_parallel_size
+    spec = p2p.TensorSpec((par.micro_batch_size, local_seq, model_cfg.hidden_size), model_cfg.params_dtype, device)
     logger = TrainLogger(train_iters=t.train_iters, global_batch_size=par.global_batch_size,
                          seq_length=model_cfg.seq_length, flops_per_token=model_cfg.flops_per_token(),
                          world_size=dist.get_world_size(), device=device, tensorboard_dir=t.tensorboard_dir,
@@ -147,9 +155,16 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
         active = (f" ({model_cfg.num_parameters(active=True) / 1e6:.2f}M active per token, "
                   f"EP={par.expert_model_parallel_size})" if model_cfg.moe is not None else "")
         print(f"> model: {model_cfg.num_parameters() / 1e6:.2f}M parameters{active}, mesh "
-              f"TP={par.tensor_model_parallel_size} PP={par.pipeline_model_parallel_size} DP={par.data_parallel_size}, "
+              f"TP={par.tensor_model_parallel_size}{'+SP' if par.sequence_parallel else ''} "
+              f"PP={par.pipeline_model_parallel_size}"
+              f"{f' (v={par.virtual_stages})' if par.virtual_stages > 1 else ''} "
+              f"{f'CP={par.context_parallel_size} ({par.cp_comm_type}) ' if par.context_parallel_size > 1 else ''}"
+              f"DP={par.data_parallel_size}, "
               f"{par.num_microbatches} "
               f"micro-batches of {par.micro_batch_size} per step, starting at iteration {iteration}", flush=True)
+        if offload is not None and not offload.moves_anything:
+            print("> --cpu-offloading: no accelerator here (host and device are one memory), activations stay "
+                  "where they are", flush=True)
     ck = cfg.checkpoint
     exits = ExitConditions(signal_handler=exit_signal or False, duration_mins=t.exit_duration_in_mins,
                            save_interval_mins=ck.save_interval_minutes, group=checkpoints.group)
@@ -169,10 +184,13 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
             if step.update_successful:
                 scheduler.step(batch)  # Megatron's schedule counts samples
             update_expert_bias(routers, ps.get_data_parallel_group())
+            offload_stats = offload.end_step() if offload is not None else None
             iteration += 1
             consumed += batch
             housekeeping.after_step(iteration)
             result.lrs[iteration] = lr
+            if offload_stats is not None:
+                result.offloaded_bytes[iteration] = offload_stats.offloaded_bytes
             if loss is not None:
                 result.losses[iteration] = loss
             if not step.update_successful:
@@ -182,8 +200,9 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
             last_grad_norm = step.grad_norm if step.grad_norm is not None else last_grad_norm
             if iteration % t.log_interval == 0:
                 moe = None if model.moe_stats is None else model.moe_stats.reduce_and_reset(dist.group.WORLD, device)
-                logger.log(iteration, consumed, lr, step.loss_scale, last_grad_norm,
-                           backend.memory_tiers(), comm=backend.comm_stats(), moe=moe)
+                logger.log(iteration, consumed, lr, step.loss_scale, last_grad_norm, backend.memory_tiers(),
+                           comm=backend.comm_stats(), moe=moe,
+                           offload=dataclasses.asdict(offload_stats) if offload and offload.moves_anything else None)
             if valid_iter is not None and iteration % t.eval_interval == 0:
                 housekeeping.around_eval()
                 logger.log_eval(iteration, evaluate(backend, forward_step_func, valid_iter, spec,

@@ -101,4 +101,11 @@ def zero_cache_config(flags: DeepSpeedFlags, par: ParallelConfig, o: OptimizerCo
         ds = merged_json({"zero_optimization": {"stage": 1}}, "--use-distributed-optimizer", None, par, o)
     else:
         return None
-    return parse_config(ds, par.data_parallel_size)
+    # In the engine's terms a micro-batch is one backward pass over this rank's model: it shards over data x
+    # context parallelism (context-parallel ranks hold the same weights, each trains its part of the batch), and
+    # under the interleaved schedule each of a stage's v model chunks runs its own backward per micro-batch (the
+    # engine knows a step's gradients are final at its last pass).
+    cp, v = par.context_parallel_size, par.virtual_stages
+    ds["gradient_accumulation_steps"] = par.num_microbatches * v
+    ds["train_batch_size"] = par.global_batch_size * cp * v
+    return parse_config(ds, par.data_parallel_size * cp)

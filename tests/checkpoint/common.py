@@ -5,6 +5,8 @@ full (single-process) name, then sliced with the layer's own TP metadata, and
 one AdamW step is taken with gradients built the same way. AdamW is elementwise,
 so a TP=2 x PP=2 model and a single-process model end up with the same full
 weights: the single-process model is the reference for reassembled checkpoints.
+A mesh may add virtual pipeline stages, (TP, PP, v): each rank then builds the
+``ModelChunks`` of its v chunks, whose parameter names start with ``chunks.<k>.``.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import numpy as np
 import torch
 
 from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel.model_chunks import ModelChunks
 from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.core.transformer_config import TransformerConfig
 from megatron.model.gpt_model import WORD_EMBEDDING, GPTModel, stage_layers
@@ -64,15 +67,17 @@ def megatron_args(cfg: TransformerConfig, tp: int, pp: int, dp: int) -> dict:
     return out
 
 
-def _full_name(model: GPTModel, name: str, param: torch.Tensor) -> str:
+def _full_name(model: torch.nn.Module, name: str, param: torch.Tensor) -> str:
     if getattr(param, "shared", False):
         return WORD_EMBEDDING  # last stage's copy of the tied embedding
+    chunk = re.match(r"^chunks\.(\d+)\.(.+)$", name)  # virtual pipeline stages: chunk k of this stage
+    chunks, k, name = (len(model.chunks), int(chunk.group(1)), chunk.group(2)) if chunk else (1, 0, name)
     offset, _ = stage_layers(model.config.num_layers, ps.get_pipeline_model_parallel_world_size(),
-                             ps.get_pipeline_model_parallel_rank())
+                             ps.get_pipeline_model_parallel_rank(), chunks, k)
     return re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{offset + int(m.group(1))}.", name)
 
 
-def _mesh_independent(model: GPTModel, name: str, param: torch.Tensor, salt: str, std: float,
+def _mesh_independent(model: torch.nn.Module, name: str, param: torch.Tensor, salt: str, std: float,
                       mean: float = 0.0) -> torch.Tensor:
     """This rank's slice of a full tensor drawn from a generator seeded by the parameter's full name."""
     shape = list(param.shape)
@@ -85,9 +90,18 @@ def _mesh_independent(model: GPTModel, name: str, param: torch.Tensor, salt: str
     return full if dim is None else full.chunk(tp, dim)[ps.get_tensor_model_parallel_rank()]
 
 
-def build_trained(cfg: TransformerConfig, rng_tracker=None) -> tuple[GPTModel, torch.optim.AdamW, StepCounter]:
+def build_model(cfg: TransformerConfig, rng_tracker=None, virtual_stages: int = 1) -> torch.nn.Module:
+    """This rank's GPTModel stage, or the ModelChunks of its ``virtual_stages`` chunks."""
+    if virtual_stages == 1:
+        return GPTModel(cfg, rng_tracker=rng_tracker)
+    return ModelChunks([GPTModel(cfg, rng_tracker=rng_tracker, virtual_stage=k, virtual_stages=virtual_stages)
+                        for k in range(virtual_stages)])
+
+
+def build_trained(cfg: TransformerConfig, rng_tracker=None, virtual_stages: int = 1
+                  ) -> tuple[torch.nn.Module, torch.optim.AdamW, StepCounter]:
     """A model on the current mesh with random (nonzero) weights everywhere and one AdamW step taken."""
-    model = GPTModel(cfg, rng_tracker=rng_tracker)
+    model = build_model(cfg, rng_tracker, virtual_stages)
     with torch.no_grad():
         for name, p in model.named_parameters():
             is_norm = "layernorm" in name and name.endswith("weight")
@@ -143,14 +157,15 @@ def draws(rng_tracker) -> list[torch.Tensor]:
     return out
 
 
-def save_worker(rank: int, world: int, root: str, meshes: dict[str, tuple[int, int]]) -> bytes:
-    """Under each (TP, PP) mesh, save both tiny models to ``root/<mesh>/<model>``; return what was saved."""
+def save_worker(rank: int, world: int, root: str, meshes: dict[str, tuple[int, ...]]) -> bytes:
+    """Under each (TP, PP) or (TP, PP, v) mesh, save both tiny models to ``root/<mesh>/<model>``; return what was
+    saved."""
     out = {}
-    for mesh, (tp, pp) in meshes.items():
+    for mesh, (tp, pp, *virtual) in meshes.items():
         ps.initialize_model_parallel(tp, pp)
         dp = ps.get_data_parallel_world_size()
         for name, cfg in CONFIGS.items():
-            model, opt, sched = build_trained(cfg)
+            model, opt, sched = build_trained(cfg, virtual_stages=virtual[0] if virtual else 1)
             tracker = model_parallel_manual_seed(100 + rank)
             random.seed(rank)  # every rank's RNG differs, so each must get its own back
             np.random.seed(rank)
@@ -165,13 +180,13 @@ def save_worker(rank: int, world: int, root: str, meshes: dict[str, tuple[int, i
     return pack(out)
 
 
-def load_worker(rank: int, world: int, root: str, meshes: dict[str, tuple[int, int]]) -> bytes:
+def load_worker(rank: int, world: int, root: str, meshes: dict[str, tuple[int, ...]]) -> bytes:
     """Load every checkpoint of :func:`save_worker` into fresh models, optimizers and RNGs."""
     out = {}
-    for mesh, (tp, pp) in meshes.items():
+    for mesh, (tp, pp, *virtual) in meshes.items():
         ps.initialize_model_parallel(tp, pp)
         for name, cfg in CONFIGS.items():
-            model = GPTModel(cfg)
+            model = build_model(cfg, virtual_stages=virtual[0] if virtual else 1)
             opt = torch.optim.AdamW(model.parameters(), lr=0.5)
             sched = StepCounter()
             tracker = model_parallel_manual_seed(7)

@@ -32,6 +32,14 @@ EXPECTED = {
     "test_cuda_paths.py::test_trainer_deepspeed_on_gpu_matches_megatron_backend[moe]",
     "test_cuda_moe.py::test_grouped_matmul_runs_in_bf16_on_the_gpu",
     "test_cuda_moe.py::test_moe_layer_on_cuda_equals_the_cpu_layer",
+    "test_cuda_context_parallel.py::test_cuda_kernels_equal_math_on_the_gpu[bf16]",
+    "test_cuda_context_parallel.py::test_cuda_kernels_equal_math_on_the_gpu[fp32]",
+    "test_cuda_context_parallel.py::test_ring_and_all_to_all_over_nccl_equal_full_attention",
+    "test_cuda_long_context.py::test_activation_offload_and_selective_recompute_on_gpu_change_nothing[ddp]",
+    "test_cuda_long_context.py::test_activation_offload_and_selective_recompute_on_gpu_change_nothing[zero3]",
+    "test_cuda_long_context.py::test_sequence_and_context_parallel_over_nccl_match_one_gpu[tp2-sp]",
+    "test_cuda_long_context.py::test_sequence_and_context_parallel_over_nccl_match_one_gpu[cp2-p2p]",
+    "test_cuda_long_context.py::test_sequence_and_context_parallel_over_nccl_match_one_gpu[cp2-a2a]",
     "test_cuda_streams.py::test_copies_run_on_their_streams_ordered_by_events",
     "test_cuda_streams.py::test_staging_pool_reuses_a_buffer_only_after_its_copy",
     "test_cuda_streams.py::test_host_offload_on_streams_matches_fp32_reference[0.0-False-False]",
@@ -47,6 +55,9 @@ STARTS_PROCESSES = {
     "test_cuda_paths.py::test_nccl_group_of_one_through_the_engine_comm_path",
     "test_cuda_paths.py::test_trainer_deepspeed_on_gpu_matches_megatron_backend",
     "test_cuda_moe.py::test_moe_layer_on_cuda_equals_the_cpu_layer",
+    "test_cuda_context_parallel.py::test_ring_and_all_to_all_over_nccl_equal_full_attention",
+    "test_cuda_long_context.py::test_activation_offload_and_selective_recompute_on_gpu_change_nothing",
+    "test_cuda_long_context.py::test_sequence_and_context_parallel_over_nccl_match_one_gpu",
 }
 # Names whose use in a test's body means it starts processes.
 PROCESS_STARTERS = {"run_distributed", "subprocess", "Popen", "multiprocessing", "Process"}

@@ -24,10 +24,15 @@ LLAMA_STYLE = ["--position-embedding-type", "rope", "--normalization", "RMSNorm"
                "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--num-query-groups", "2"]
 
 
-def _global_name(name: str, pp_rank: int, layers_per_stage: int) -> str:
+def _global_name(name: str, pp_rank: int, pp: int, layers: int, chunks: int = 1) -> str:
+    """A stage-local name with its layer index made global; under virtual pipeline stages the name starts with
+    ``chunks.<k>.`` and chunk k of stage r holds the (k * pp + r)-th slice of the layers."""
+    chunk = re.match(r"chunks\.(\d+)\.(.*)", name)
+    k, name = (int(chunk.group(1)), chunk.group(2)) if chunk else (0, name)
     m = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
     if m:
-        return f"decoder.layers.{pp_rank * layers_per_stage + int(m.group(1))}.{m.group(2)}"
+        per_chunk = layers // (pp * chunks)
+        return f"decoder.layers.{(k * pp + pp_rank) * per_chunk + int(m.group(1))}.{m.group(2)}"
     return name
 
 
@@ -38,6 +43,7 @@ def _train_rank(rank: int, world: int, argv: list[str]) -> dict:
     model = getattr(result.model, "module", result.model)
     layers = int(argv[argv.index("--num-layers") + 1])
     pp_rank, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    chunks = len(model.chunks) if hasattr(model, "chunks") else 1  # the interleaved schedule's model chunks
     weights = result.backend.local_state_dict()
     params, shared = {}, None
     for name, p in model.named_parameters():
@@ -46,16 +52,17 @@ def _train_rank(rank: int, world: int, argv: list[str]) -> dict:
             continue
         dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
         expert_dim = getattr(p, "expert_partition_dim", None)  # MoE: EP ranks hold consecutive expert blocks
-        params[_global_name(name, pp_rank, layers // pp)] = (weights[name], dim, expert_dim)
+        params[_global_name(name, pp_rank, pp, layers, chunks)] = (weights[name], dim, expert_dim)
     if shared is None and model.shared_embedding_weight() is not None:
-        shared = weights["embedding.word_embeddings.weight"]
+        shared = weights[("chunks.0." if chunks > 1 else "") + "embedding.word_embeddings.weight"]
     # Persistent buffers (the MoE routers' expert bias): replicated like the dense weights, compared like them.
     param_names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     for name, buf in model.state_dict().items():
         if name not in param_names:
-            params[_global_name(name, pp_rank, layers // pp)] = (buf.detach().float().clone(), None, None)
-    return {"losses": result.losses, "lrs": result.lrs, "params": params, "tp": ps.get_tensor_model_parallel_rank(),
-            "dp": ps.get_data_parallel_rank(), "pp": pp_rank, "shared": shared,
+            params[_global_name(name, pp_rank, pp, layers, chunks)] = (buf.detach().float().clone(), None, None)
+    return {"losses": result.losses, "lrs": result.lrs, "offloaded": result.offloaded_bytes, "params": params,
+            "tp": ps.get_tensor_model_parallel_rank(), "dp": ps.get_data_parallel_rank(),
+            "cp": ps.get_context_parallel_rank(), "pp": pp_rank, "shared": shared,
             "ep": ps.get_expert_model_parallel_rank(), "ep_size": ps.get_expert_model_parallel_world_size()}
 
 
@@ -75,8 +82,8 @@ def train(argv: list[str], world: int, timeout: float = 300, rank_fn=None
         holders = [o for o in outs if name in o["params"]]
         expert_dim = holders[0]["params"][name][2]
         by_ep: dict[int, torch.Tensor] = {}  # expert-parallel rank -> its block (everything else: rank 0)
-        for dp in sorted({o["dp"] for o in holders}):
-            shards = sorted((o for o in holders if o["dp"] == dp), key=lambda o: o["tp"])
+        for replica in sorted({(o["dp"], o["cp"]) for o in holders}):  # context-parallel ranks are replicas too
+            shards = sorted((o for o in holders if (o["dp"], o["cp"]) == replica), key=lambda o: o["tp"])
             tensor, dim, _ = shards[0]["params"][name]
             if dim is None:
                 for s in shards[1:]:  # replicated across TP ranks: must agree
@@ -126,7 +133,7 @@ def check_matches_reference(extra: list[str], mesh: list[str], world: int) -> li
     # Tied embedding: the last stage's copy stays equal to the first stage's.
     for o in outs:
         if o["shared"] is not None:
-            first = next(x for x in outs if x["pp"] == 0 and x["tp"] == o["tp"] and x["dp"] == o["dp"])
+            first = next(x for x in outs if x["pp"] == 0 and (x["tp"], x["dp"], x["cp"]) == (o["tp"], o["dp"], o["cp"]))
             torch.testing.assert_close(o["shared"], first["shared"], rtol=0, atol=0)
     return outs
 

@@ -220,7 +220,7 @@ def test_the_zero_backend_hands_the_parsed_config_to_the_engine(tmp_path, monkey
         given["config"] = config
         raise Stop
     monkeypatch.setattr(zero_cache, "initialize", initialize)
-    monkeypatch.setattr(ps, "get_data_parallel_group", lambda: None)
+    monkeypatch.setattr(ps, "get_data_parallel_group", lambda with_context_parallel=False: None)
     monkeypatch.setattr(ps, "get_model_parallel_group", lambda: None)
     model = torch.nn.Linear(2, 2)
     model.shared_embedding_weight = lambda: None

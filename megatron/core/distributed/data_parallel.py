@@ -14,6 +14,14 @@ produces gradients) and cut into buckets of about ``bucket_size`` elements. On
 the last micro-batch of a step, a bucket's all-reduce is launched asynchronously
 as soon as all of its parameters have their gradient, so communication overlaps
 the rest of backward; ``finish_grad_sync()`` waits for all of them.
+
+A backward outside ``no_sync()`` marks the gradients it produces as final.
+Under the interleaved pipeline schedule the module holds several model chunks
+whose last backwards of a step come at different times (the last chunk's first):
+each runs outside ``no_sync()``, and a bucket is launched once every parameter
+in it has had its final gradient, wherever the chunk boundaries fall. Buckets
+launch in buffer order, which is the order the chunks finish (the buffer is
+laid out in reverse parameter order); ``finish_grad_sync()`` launches any left.
 """
 from __future__ import annotations
 
@@ -59,8 +67,10 @@ class DistributedDataParallel(nn.Module):
     mean gradient (Megatron-core's rule). They sit in buckets of their own.
 
     Per step: run the micro-batches' backwards inside ``no_sync()`` except the
-    last one, then call ``finish_grad_sync()`` before the optimizer step, and
-    ``zero_grad_buffer()`` (or the optimizer's ``zero_grad()``) before the next.
+    last one that reaches each parameter (the step's last, or each model chunk's
+    last under the interleaved schedule), then call ``finish_grad_sync()`` before
+    the optimizer step, and ``zero_grad_buffer()`` (or the optimizer's
+    ``zero_grad()``) before the next.
     """
 
     def __init__(self, module: nn.Module, data_parallel_group: dist.ProcessGroup | None,
@@ -178,7 +188,8 @@ class DistributedDataParallel(nn.Module):
     # ----- step protocol -----
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backwards inside only accumulate (all micro-batches of a step but the last)."""
+        """Backwards inside only accumulate (all micro-batches of a step but the last that reaches each
+        parameter)."""
         self.is_last_microbatch = False
         try:
             yield

@@ -5,6 +5,14 @@ and waits for them, so paired calls on neighbouring stages (send_forward +
 recv_forward, send_forward_recv_backward + send_backward_recv_forward) cannot
 deadlock. Shapes are static: every micro-batch activation is
 [micro_batch_size, seq_length, hidden_size].
+
+The next and previous ranks wrap around the pipeline: under the interleaved
+schedule the last stage sends its chunk's output to the first stage's next
+chunk (``exchange``). With two stages both neighbours are the same rank, so an
+activation and a gradient can travel between the same two ranks in one call:
+activations (sent to the next stage) and gradients (sent to the previous one)
+carry different tags, and every call posts the activation's operations before
+the gradient's, so both ends pair them alike however the backend matches them.
 """
 from __future__ import annotations
 
@@ -15,6 +23,8 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
 
+_ACTIVATION_TAG, _GRADIENT_TAG = 1, 2
+
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -23,20 +33,25 @@ class TensorSpec:
     device: torch.device
 
 
-def _exchange(spec: TensorSpec, send_next: torch.Tensor | None = None, send_prev: torch.Tensor | None = None,
-              recv_prev: bool = False, recv_next: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def exchange(spec: TensorSpec, send_next: torch.Tensor | None = None, send_prev: torch.Tensor | None = None,
+             recv_prev: bool = False, recv_next: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Send ``send_next`` (an activation) to the next stage and ``send_prev`` (a gradient) to the previous one, and
+    receive an activation from the previous stage and/or a gradient from the next, in one call; returns
+    (activation received, gradient received). The received activation requires grad (its gradient is what the
+    backward sends back)."""
     ops, from_prev, from_next = [], None, None
     group = ps.get_pipeline_model_parallel_group()
-    if send_prev is not None:
-        ops.append(dist.P2POp(dist.isend, send_prev.contiguous(), ps.get_pipeline_model_parallel_prev_rank(), group))
+    prev, nxt = ps.get_pipeline_model_parallel_prev_rank(), ps.get_pipeline_model_parallel_next_rank()
+    if send_next is not None:
+        ops.append(dist.P2POp(dist.isend, send_next.detach().contiguous(), nxt, group, _ACTIVATION_TAG))
     if recv_prev:
         from_prev = torch.empty(spec.shape, dtype=spec.dtype, device=spec.device, requires_grad=True)
-        ops.append(dist.P2POp(dist.irecv, from_prev, ps.get_pipeline_model_parallel_prev_rank(), group))
-    if send_next is not None:
-        ops.append(dist.P2POp(dist.isend, send_next.contiguous(), ps.get_pipeline_model_parallel_next_rank(), group))
+        ops.append(dist.P2POp(dist.irecv, from_prev, prev, group, _ACTIVATION_TAG))
+    if send_prev is not None:
+        ops.append(dist.P2POp(dist.isend, send_prev.contiguous(), prev, group, _GRADIENT_TAG))
     if recv_next:
         from_next = torch.empty(spec.shape, dtype=spec.dtype, device=spec.device)
-        ops.append(dist.P2POp(dist.irecv, from_next, ps.get_pipeline_model_parallel_next_rank(), group))
+        ops.append(dist.P2POp(dist.irecv, from_next, nxt, group, _GRADIENT_TAG))
     if ops:
         for req in dist.batch_isend_irecv(ops):
             req.wait()
@@ -46,32 +61,32 @@ def _exchange(spec: TensorSpec, send_next: torch.Tensor | None = None, send_prev
 def recv_forward(spec: TensorSpec) -> torch.Tensor | None:
     if ps.is_pipeline_first_stage():
         return None
-    return _exchange(spec, recv_prev=True)[0]
+    return exchange(spec, recv_prev=True)[0]
 
 
 def recv_backward(spec: TensorSpec) -> torch.Tensor | None:
     if ps.is_pipeline_last_stage():
         return None
-    return _exchange(spec, recv_next=True)[1]
+    return exchange(spec, recv_next=True)[1]
 
 
 def send_forward(output: torch.Tensor, spec: TensorSpec) -> None:
     if not ps.is_pipeline_last_stage():
-        _exchange(spec, send_next=output.detach())
+        exchange(spec, send_next=output)
 
 
 def send_backward(input_grad: torch.Tensor | None, spec: TensorSpec) -> None:
     if not ps.is_pipeline_first_stage():
-        _exchange(spec, send_prev=input_grad)
+        exchange(spec, send_prev=input_grad)
 
 
 def send_forward_recv_backward(output: torch.Tensor, spec: TensorSpec) -> torch.Tensor | None:
     if ps.is_pipeline_last_stage():
         return None
-    return _exchange(spec, send_next=output.detach(), recv_next=True)[1]
+    return exchange(spec, send_next=output, recv_next=True)[1]
 
 
 def send_backward_recv_forward(input_grad: torch.Tensor | None, spec: TensorSpec) -> torch.Tensor | None:
     if ps.is_pipeline_first_stage():
         return None
-    return _exchange(spec, send_prev=input_grad, recv_prev=True)[0]
+    return exchange(spec, send_prev=input_grad, recv_prev=True)[0]

@@ -5,39 +5,89 @@ micro-batch through this stage; on the last stage ``loss_func(output)`` returns
 ``(loss, stats)``. Each micro-batch's loss is divided by the number of
 micro-batches, so the accumulated gradients are those of the batch mean.
 
+Three schedules: no pipelining, PipeDream-flush 1F1B, and with virtual pipeline
+stages (the model a ``ModelChunks`` of v chunks) the interleaved 1F1B
+(``interleaved.py`` holds its order). Under interleaving every chunk runs every
+micro-batch, so ``forward_step_func`` is handed an iterator per chunk that
+replays the step's micro-batches, each read from ``data_iterator`` once.
+
 Gradient synchronisation across data-parallel ranks is held back (``no_sync``)
-for every backward except the last one of the step, so it happens once per
-step and overlaps that last backward.
+for every backward except the last one that a parameter sees in the step: the
+step's last backward, or under interleaving each chunk's last, so the
+reductions happen once per step and overlap the backwards that follow.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Iterator
+from collections import deque
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import p2p_communication as p2p
+from megatron.core.pipeline_parallel.interleaved import InterleavedSchedule
+from megatron.core.pipeline_parallel.model_chunks import ModelChunks
 
 ForwardStepFunc = Callable[[Iterator, torch.nn.Module], tuple[torch.Tensor, Callable]]
 
 
+class _ReplayedMicroBatches:
+    """The step's micro-batches for each of ``readers`` model chunks, in order: each is read from ``source`` once,
+    when the first chunk asks for it, and dropped when the last one has had it."""
+
+    def __init__(self, source: Iterator | None, readers: int):
+        self.source, self.readers = source, readers
+        self.fetched = 0
+        self.pending: dict[int, list[Any]] = {}  # micro-batch index -> [batch, chunks still to read it]
+
+    def _get(self, i: int) -> Any:
+        while self.fetched <= i:
+            self.pending[self.fetched] = [next(self.source), self.readers]
+            self.fetched += 1
+        entry = self.pending[i]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.pending[i]
+        return entry[0]
+
+    def reader(self) -> Iterator | None:
+        if self.source is None:
+            return None
+
+        def read() -> Iterator:
+            i = 0
+            while True:
+                yield self._get(i)
+                i += 1
+        return read()
+
+
 class _Step:
-    """What one stage needs to run a micro-batch forward and backward."""
+    """What one stage needs to run a micro-batch forward and backward on one of its model chunks."""
 
     def __init__(self, forward_step_func: ForwardStepFunc, data_iterator, model, num_microbatches: int,
                  grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None):
-        self.forward_step_func, self.data_iterator, self.model = forward_step_func, data_iterator, model
+        self.forward_step_func, self.model = forward_step_func, model
         self.num_microbatches, self.grad_scale_func = num_microbatches, grad_scale_func
+        self.stage = getattr(model, "module", model)  # unwrap DDP / ZeRO engine
+        self.chunks = self.stage.num_chunks if isinstance(self.stage, ModelChunks) else 1
+        if self.chunks > 1:
+            replay = _ReplayedMicroBatches(data_iterator, self.chunks)
+            self.iterators = [replay.reader() for _ in range(self.chunks)]
+        else:
+            self.iterators = [data_iterator]
         self.stats: list[dict] = []
         # Auxiliary losses inside the model (MoE routers) get the language-model loss's backward factor.
         scale = grad_scale_func(torch.ones(())) if grad_scale_func is not None else 1.0
-        getattr(model, "module", model).set_moe_aux_loss_scale(float(scale) / num_microbatches)
+        self.stage.set_moe_aux_loss_scale(float(scale) / num_microbatches)
 
-    def forward(self, input_tensor: torch.Tensor | None) -> torch.Tensor:
-        getattr(self.model, "module", self.model).set_input_tensor(input_tensor)  # unwrap DDP / ZeRO engine
-        output, loss_func = self.forward_step_func(self.data_iterator, self.model)
-        if ps.is_pipeline_last_stage():
+    def forward(self, input_tensor: torch.Tensor | None, chunk: int = 0) -> torch.Tensor:
+        if self.chunks > 1:
+            self.stage.select(chunk)
+        self.stage.set_input_tensor(input_tensor)
+        output, loss_func = self.forward_step_func(self.iterators[chunk], self.model)
+        if ps.is_pipeline_last_stage() and chunk == self.chunks - 1:
             loss, stats = loss_func(output)
             self.stats.append(stats)
             output = loss / self.num_microbatches
@@ -61,6 +111,10 @@ def forward_backward(forward_step_func: ForwardStepFunc, data_iterator, model, *
     no_sync = no_sync or contextlib.nullcontext
     if ps.get_pipeline_model_parallel_world_size() == 1:
         _no_pipelining(step, forward_only, no_sync)
+    elif step.chunks > 1:
+        schedule = InterleavedSchedule(ps.get_pipeline_model_parallel_world_size(),
+                                       ps.get_pipeline_model_parallel_rank(), step.chunks, num_microbatches)
+        _interleaved(step, schedule, spec, forward_only, no_sync)
     else:
         _one_f_one_b(step, spec, forward_only, no_sync)
     return step.stats
@@ -126,3 +180,37 @@ def _one_f_one_b(step: _Step, spec: p2p.TensorSpec, forward_only: bool, no_sync)
         output_grad = p2p.recv_backward(spec)
         input_grad = backward(inputs.pop(0), outputs.pop(0), output_grad)
         p2p.send_backward(input_grad, spec)
+
+
+def _interleaved(step: _Step, schedule: InterleavedSchedule, spec: p2p.TensorSpec, forward_only: bool,
+                 no_sync) -> None:
+    """Interleaved 1F1B: run ``schedule``'s rounds; received tensors wait in per-chunk queues for their turn."""
+    chunks = schedule.chunks
+    inputs: list[deque] = [deque() for _ in range(chunks)]  # received activations, by chunk, in micro-batch order
+    grads: list[deque] = [deque() for _ in range(chunks)]  # received output gradients
+    saved: list[deque] = [deque() for _ in range(chunks)]  # (input, output) of forwards awaiting their backward
+    grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
+    for r in schedule.rounds(forward_only):
+        output = input_grad = None
+        if r.forward is not None:
+            c = schedule.chunk(r.forward)
+            input_tensor = inputs[c].popleft() if schedule.input_received(r.forward) else None
+            with grad_ctx:
+                output = step.forward(input_tensor, c)
+            if not forward_only:
+                saved[c].append((input_tensor, output))
+        if r.backward is not None:
+            c = schedule.chunk(r.backward, forward=False)
+            input_tensor, output_tensor = saved[c].popleft()
+            output_grad = grads[c].popleft() if schedule.grad_received(r.backward) else None
+            # A chunk's gradients are final in its last backward: that one reduces them.
+            sync = schedule.is_last_backward_of_chunk(r.backward)
+            with contextlib.nullcontext() if sync else no_sync():
+                input_grad = step.backward(input_tensor, output_tensor, output_grad)
+        received, received_grad = p2p.exchange(
+            spec, send_next=output if r.send_forward else None, send_prev=input_grad if r.send_backward else None,
+            recv_prev=r.recv_forward is not None, recv_next=r.recv_backward is not None)
+        if r.recv_forward is not None:
+            inputs[r.recv_forward].append(received)
+        if r.recv_backward is not None:
+            grads[r.recv_backward].append(received_grad)

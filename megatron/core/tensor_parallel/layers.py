@@ -3,7 +3,10 @@
 Weights are initialised on the full (unpartitioned) shape with the caller's
 init function and then sliced, so a model has the same weights under every
 tensor-parallel size; this is what makes TP runs comparable to a single-process
-reference. Partitioned parameters carry ``tensor_model_parallel = True`` and
+reference. With ``sequence_parallel`` the layers' inputs (column-parallel) and
+outputs (row-parallel, the embedding) hold 1/TP of the sequence: they are
+all-gathered in and reduce-scattered out instead of copied and all-reduced.
+Partitioned parameters carry ``tensor_model_parallel = True`` and
 ``partition_dim`` so checkpoint tools can re-assemble them. With
 ``gradient_accumulation_fusion`` the linear and embedding layers add their
 weight gradient into the gradient buffer themselves (zero_cache/weight_grad.py).
@@ -19,8 +22,10 @@ from megatron.core import parallel_state as ps
 from megatron.core.deferred_init import defer_constant, init_or_defer
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
 from zero_cache.weight_grad import embedding, linear
@@ -67,11 +72,12 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True, gather_output: bool = False,
                  init_method: InitMethod | None = None, skip_bias_add: bool = False,
                  params_dtype: torch.dtype = torch.float32, device: torch.device | None = None,
-                 gradient_accumulation_fusion: bool = True):
+                 gradient_accumulation_fusion: bool = True, sequence_parallel: bool = False):
         super().__init__()
         world = ps.get_tensor_model_parallel_world_size()
         self.input_size, self.output_size = input_size, output_size
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.sequence_parallel = sequence_parallel and world > 1
         self.output_size_per_partition = divide(output_size, world, "output size of a column-parallel layer")
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size,
@@ -88,7 +94,10 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None):
         """``weight`` overrides the layer's own (used for an output layer tied to the embedding)."""
         weight = self.weight if weight is None else weight
-        x = copy_to_tensor_model_parallel_region(x)
+        if self.sequence_parallel:  # the gather's backward reduce-scatters, summing over TP as the copy would
+            x = gather_from_sequence_parallel_region(x)
+        else:
+            x = copy_to_tensor_model_parallel_region(x)
         bias = None if self.skip_bias_add else self.bias
         out = linear(x, weight, bias, fuse=self.gradient_accumulation_fusion)
         if self.gather_output:
@@ -102,11 +111,12 @@ class RowParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True, input_is_parallel: bool = True,
                  init_method: InitMethod | None = None, skip_bias_add: bool = False,
                  params_dtype: torch.dtype = torch.float32, device: torch.device | None = None,
-                 gradient_accumulation_fusion: bool = True):
+                 gradient_accumulation_fusion: bool = True, sequence_parallel: bool = False):
         super().__init__()
         world = ps.get_tensor_model_parallel_world_size()
         self.input_size, self.output_size = input_size, output_size
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.sequence_parallel = sequence_parallel and world > 1
         self.input_size_per_partition = divide(input_size, world, "input size of a row-parallel layer")
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition,
@@ -124,10 +134,17 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x)
-        out = reduce_from_tensor_model_parallel_region(linear(x, self.weight, fuse=self.gradient_accumulation_fusion))
+        partial = linear(x, self.weight, fuse=self.gradient_accumulation_fusion)
+        if self.sequence_parallel:
+            out = reduce_scatter_to_sequence_parallel_region(partial)
+        else:
+            out = reduce_from_tensor_model_parallel_region(partial)
+        bias = self.bias
+        if bias is not None and self.sequence_parallel:  # added to 1/TP of the tokens: sum its gradient over TP
+            bias = copy_to_tensor_model_parallel_region(bias)
         if self.skip_bias_add:
-            return out, self.bias
-        return out + self.bias if self.bias is not None else out
+            return out, bias
+        return out + bias if bias is not None else out
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -135,10 +152,11 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, init_method: InitMethod | None = None,
                  params_dtype: torch.dtype = torch.float32, device: torch.device | None = None,
-                 gradient_accumulation_fusion: bool = True):
+                 gradient_accumulation_fusion: bool = True, sequence_parallel: bool = False):
         super().__init__()
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         world = ps.get_tensor_model_parallel_world_size()
+        self.sequence_parallel = sequence_parallel and world > 1
         self.num_embeddings = num_embeddings
         self.per_partition = divide(num_embeddings, world, "padded vocabulary size")
         self.vocab_start = ps.get_tensor_model_parallel_rank() * self.per_partition
@@ -153,4 +171,6 @@ class VocabParallelEmbedding(nn.Module):
         local = (ids - self.vocab_start).masked_fill(outside, 0)
         out = embedding(local, self.weight, fuse=self.gradient_accumulation_fusion)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(out)
         return reduce_from_tensor_model_parallel_region(out)

@@ -62,10 +62,17 @@ def add_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
-                   help="full: recompute each layer's activations in backward (selective is not implemented)")
+                   help="full: recompute each layer's activations in backward; selective: recompute only the "
+                        "attention core (softmax(QK^T)V) and keep the linear layers' inputs")
     g.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
     g.add_argument("--recompute-num-layers", type=int, default=1)
     g.add_argument("--checkpoint-activations", action="store_true", help="legacy alias of --recompute-granularity full")
+    g.add_argument("--cpu-offloading", action="store_true",
+                   help="move the activations saved in the forward of the first --cpu-offloading-num-layers "
+                        "layers of each model chunk to host memory on the copy streams, and back before backward")
+    g.add_argument("--cpu-offloading-num-layers", type=int, default=None,
+                   help="layers per model chunk whose activations --cpu-offloading moves (fewer than the chunk's "
+                        "layers: the last one's backward comes first; default all but that last one)")
     g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
                    help="linear and embedding layers return their weight gradients through autograd instead of "
                         "adding them into the gradient buffers themselves (main_grad, or the ZeRO engine's with "
@@ -96,15 +103,31 @@ def _precision(args: argparse.Namespace) -> str:
     return "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
 
 
+def _offloaded_layers(args: argparse.Namespace) -> int:
+    """Layers per model chunk whose activations go to host memory (0: none); -1: all but the chunk's last
+    (resolved when the chunk size is known)."""
+    if not args.cpu_offloading:
+        return 0
+    n = args.cpu_offloading_num_layers
+    if n is None:
+        return -1
+    if n < 1:
+        raise ValueError(f"--cpu-offloading-num-layers {n} must be >= 1")
+    return n
+
+
 def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
     """Reads --seed of the training flags too (weights are initialised from it)."""
     check_required_model_flags(args)
     if args.rotary_percent != 1.0:
         raise ValueError(f"--rotary-percent {args.rotary_percent}: partial rotary embeddings are not implemented "
                          "here; use 1.0 (every channel rotated)")
-    if args.recompute_granularity == "selective":
-        raise ValueError("--recompute-granularity selective is not implemented here; use full (recomputes whole "
-                         "layers, see --recompute-method / --recompute-num-layers)")
+    granularity = "full" if args.checkpoint_activations else args.recompute_granularity
+    if args.cpu_offloading_num_layers is not None and not args.cpu_offloading:
+        raise ValueError("--cpu-offloading-num-layers without --cpu-offloading: add --cpu-offloading or drop it")
+    if args.cpu_offloading and granularity == "full":
+        raise ValueError("--cpu-offloading with --recompute-granularity full: full recompute keeps only each layer's "
+                         "input, there is nothing left to offload; choose one (selective recompute combines)")
     rope = args.use_rotary_position_embeddings or args.position_embedding_type == "rope"
     return ModelConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
@@ -118,7 +141,8 @@ def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, precision=_precision(args),
-        recompute_granularity="full" if args.checkpoint_activations else args.recompute_granularity,
+        recompute_granularity=granularity,
+        cpu_offloading_num_layers=_offloaded_layers(args),
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers, seed=args.seed,
         gradient_accumulation_fusion=args.gradient_accumulation_fusion, attention_backend=_attention_backend(args),
         moe=moe_config_from_args(args))

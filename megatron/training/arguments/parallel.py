@@ -20,12 +20,25 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--no-pipeline-parallel", action="store_true",
                    help="Megatron-DeepSpeed: no pipeline stages; checks --pipeline-model-parallel-size is 1")
     g.add_argument("--context-parallel-size", type=int, default=1,
-                   help="1 only: context parallelism is not implemented here")
+                   help="ranks that split every sequence (each holds 2 mirrored chunks of it, so causal attention "
+                        "work is even); they hold the same weights and reduce gradients with the data-parallel ranks")
+    g.add_argument("--cp-comm-type", choices=["p2p", "a2a"], default="p2p",
+                   help="context-parallel attention: p2p = ring attention (key/value blocks passed around the "
+                        "ring, overlapped with compute); a2a = all-to-all between sequence and heads around "
+                        "attention (DeepSpeed-Ulysses), needs heads per tensor-parallel rank divisible by CP")
     g.add_argument("--ds-sequence-parallel-size", type=int, default=1,
-                   help="1 only: DeepSpeed-Ulysses sequence parallelism is not implemented here")
+                   help="Megatron-DeepSpeed's Ulysses sequence parallelism: --context-parallel-size N "
+                        "--cp-comm-type a2a")
     g.add_argument("--sequence-parallel", action="store_true",
-                   help="accepted with --tensor-model-parallel-size 1, where Megatron turns it off too; not "
-                        "implemented for larger tensor-parallel sizes")
+                   help="with tensor parallelism: the norms, dropouts and residuals hold 1/TP of the sequence "
+                        "(all-gather before and reduce-scatter after the tensor-parallel regions); ignored with "
+                        "--tensor-model-parallel-size 1, as Megatron does")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="the interleaved 1F1B schedule: each pipeline stage holds (layers / PP) / N model chunks "
+                        "of N layers")
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
+                   help="the interleaved 1F1B schedule: model chunks per pipeline stage (the other way to say "
+                        "--num-layers-per-virtual-pipeline-stage)")
     g.add_argument("--micro-batch-size", type=int, required=True)
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="samples per step (default: --micro-batch-size x data-parallel size, or the last size of "
@@ -49,16 +62,9 @@ def _check_unsupported(args: argparse.Namespace) -> None:
         raise ValueError(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}: experts are split over "
                          f"the tensor-parallel ranks like the dense layers here; use {tp} (= "
                          "--tensor-model-parallel-size) or drop it")
-    if args.context_parallel_size != 1:
-        raise ValueError(f"--context-parallel-size {args.context_parallel_size}: context parallelism is not "
-                         "implemented here; use 1 (and tensor or pipeline parallelism to split the model)")
-    if args.ds_sequence_parallel_size != 1:
-        raise ValueError(f"--ds-sequence-parallel-size {args.ds_sequence_parallel_size}: DeepSpeed-Ulysses sequence "
-                         "parallelism is not implemented here; use 1")
-    if args.sequence_parallel and tp > 1:
-        raise ValueError(f"--sequence-parallel with --tensor-model-parallel-size {tp}: sequence parallelism is not "
-                         "implemented here (activations stay whole on every tensor-parallel rank); drop it, and use "
-                         "--recompute-granularity full to save activation memory")
+    if args.ds_sequence_parallel_size != 1 and args.context_parallel_size not in (1, args.ds_sequence_parallel_size):
+        raise ValueError(f"--ds-sequence-parallel-size {args.ds_sequence_parallel_size} and --context-parallel-size "
+                         f"{args.context_parallel_size} both split the sequence; keep one")
     if args.rampup_batch_size is not None and args.step_batch_size_schedule is not None:
         raise ValueError("--rampup-batch-size and --step-batch-size-schedule both set the batch size; keep one")
 
@@ -79,11 +85,42 @@ def batch_schedule_from_args(args: argparse.Namespace, data_parallel_size: int) 
     return None
 
 
+def _context_parallel(args: argparse.Namespace) -> tuple[int, str]:
+    """(CP size, attention's comm type); Megatron-DeepSpeed's Ulysses flag is CP with the all-to-all."""
+    if args.ds_sequence_parallel_size > 1:
+        return args.ds_sequence_parallel_size, "a2a"
+    return args.context_parallel_size, args.cp_comm_type
+
+
+def _virtual_stages(args: argparse.Namespace) -> int | None:
+    """Model chunks per pipeline stage for the interleaved schedule (None: plain 1F1B)."""
+    per_stage, v = args.num_layers_per_virtual_pipeline_stage, args.virtual_pipeline_model_parallel_size
+    pp = args.pipeline_model_parallel_size
+    if per_stage is None and v is None:
+        return None
+    if per_stage is not None:
+        layers = args.num_layers // pp if args.num_layers else 0
+        if per_stage <= 0 or not layers or layers % per_stage:
+            raise ValueError(f"--num-layers-per-virtual-pipeline-stage {per_stage} must divide the layers per "
+                             f"pipeline stage (--num-layers {args.num_layers} / --pipeline-model-parallel-size {pp})")
+        if v is not None and v != layers // per_stage:
+            raise ValueError(f"--virtual-pipeline-model-parallel-size {v} and --num-layers-per-virtual-pipeline-stage "
+                             f"{per_stage} disagree ({layers} layers per stage); keep one")
+        v = layers // per_stage
+    if v < 1:
+        raise ValueError(f"--virtual-pipeline-model-parallel-size {v} must be >= 1")
+    if v > 1 and pp == 1:
+        raise ValueError("the interleaved schedule (--num-layers-per-virtual-pipeline-stage / "
+                         "--virtual-pipeline-model-parallel-size) needs --pipeline-model-parallel-size > 1")
+    return v if v > 1 else None
+
+
 def parallel_config_from_args(args: argparse.Namespace, world_size: int) -> ParallelConfig:
-    """The data-parallel size is what the world leaves after tensor x pipeline; the global batch defaults
-    to one micro-batch per data-parallel rank."""
+    """The data-parallel size is what the world leaves after tensor x context x pipeline; the global batch
+    defaults to one micro-batch per data-parallel rank."""
     _check_unsupported(args)
-    dp = mesh_sizes(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    cp, cp_comm_type = _context_parallel(args)
+    dp = mesh_sizes(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, cp)
     schedule = batch_schedule_from_args(args, dp)
     if schedule is not None:
         global_batch_size = schedule.final
@@ -95,4 +132,6 @@ def parallel_config_from_args(args: argparse.Namespace, world_size: int) -> Para
         micro_batch_size=args.micro_batch_size, global_batch_size=global_batch_size,
         distributed_backend=args.distributed_backend, distributed_timeout_minutes=args.distributed_timeout_minutes,
         batch_schedule=schedule if schedule and not schedule.constant else None,
-        expert_model_parallel_size=args.expert_model_parallel_size)
+        expert_model_parallel_size=args.expert_model_parallel_size, context_parallel_size=cp,
+        cp_comm_type=cp_comm_type, sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1,
+        virtual_pipeline_model_parallel_size=_virtual_stages(args))

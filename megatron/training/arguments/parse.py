@@ -8,6 +8,7 @@ and malformed values too).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 from megatron.training.arguments.checkpoint import (
@@ -73,6 +74,7 @@ def _config(args: argparse.Namespace, world_size: int) -> Config:
     train_iters = train_iters_from_args(args, schedule)
     train = train_config_from_args(args, train_iters)
     _check_model_on_mesh(model, parallel)
+    model = _resolve_offloaded_layers(model, parallel)
     deepspeed = deepspeed_flags_from_args(args)
     if not args.mock_data and not (args.data_path or args.train_data_path):
         raise ValueError("no training data: pass --data-path PREFIX (see tools/preprocess_data.py) "
@@ -83,6 +85,16 @@ def _config(args: argparse.Namespace, world_size: int) -> Config:
     data = data_config_from_args(args, build_timeout_minutes=parallel.distributed_timeout_minutes)
     tokenizer, checkpoint = tokenizer_config_from_args(args), checkpoint_config_from_args(args)
     log, housekeeping = log_config_from_args(args), housekeeping_config_from_args(args)
+    if parallel.context_parallel_size > 1 and data.reset_attention_mask:
+        raise ValueError("--reset-attention-mask with --context-parallel-size > 1: context-parallel attention is "
+                         "causal over the whole sequence only; drop --reset-attention-mask")
+    if parallel.context_parallel_size > 1 and checkpoint.ckpt_format == "torch":
+        raise ValueError("--ckpt-format torch with --context-parallel-size > 1: the legacy per-rank layout has no "
+                         "place for context-parallel ranks; use --ckpt-format torch_dist (the default)")
+    if parallel.virtual_stages > 1 and checkpoint.ckpt_format == "torch":
+        raise ValueError("--ckpt-format torch with the interleaved schedule: the legacy per-rank layout (and the "
+                         "conversion tools that read it) hold one stage's layers as one model; use --ckpt-format "
+                         "torch_dist (the default), which also loads into other pipeline layouts")
     if parallel.expert_model_parallel_size > 1 and checkpoint.ckpt_format == "torch":
         raise ValueError("--ckpt-format torch with --expert-model-parallel-size > 1: the legacy per-rank layout has "
                          "no place for expert-parallel shards; use --ckpt-format torch_dist (the default), which "
@@ -108,14 +120,59 @@ def _check_engine(args: argparse.Namespace, parallel: ParallelConfig) -> None:
                          f"{how}, or ZeRO stage 0)")
 
 
+def _check_sequence_split(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Context parallelism cuts every sequence into 2 x CP chunks; sequence parallelism cuts a rank's part of it
+    into TP pieces; the all-to-all variant also splits the heads of each tensor-parallel rank."""
+    tp, cp = parallel.tensor_model_parallel_size, parallel.context_parallel_size
+    sp = parallel.sequence_parallel
+    if cp == 1 and not sp:
+        return
+    if model.moe is not None:
+        what = "--context-parallel-size > 1" if cp > 1 else "--sequence-parallel"
+        raise ValueError(f"{what} with mixture-of-experts layers (--num-experts) is not supported here; drop one")
+    pieces = 2 * cp * (tp if sp else 1) if cp > 1 else tp
+    if model.seq_length % pieces:
+        split = " x ".join(([f"2 x --context-parallel-size {cp}"] if cp > 1 else [])
+                           + ([f"--tensor-model-parallel-size {tp} (--sequence-parallel)"] if sp else []))
+        raise ValueError(f"--seq-length {model.seq_length} is not divisible by {split} = {pieces}; use a multiple "
+                         f"of {pieces}")
+    if cp == 1:
+        return
+    if parallel.cp_comm_type == "p2p" and model.attention_dropout > 0:
+        raise ValueError(f"--attention-dropout {model.attention_dropout} with ring attention (--cp-comm-type p2p): "
+                         "set --attention-dropout 0, or use --cp-comm-type a2a")
+    if parallel.cp_comm_type == "a2a" and (model.num_attention_heads // tp) % cp:
+        raise ValueError(f"--cp-comm-type a2a splits each tensor-parallel rank's {model.num_attention_heads // tp} "
+                         f"attention heads over --context-parallel-size {cp}: choose sizes that divide, or use "
+                         "--cp-comm-type p2p")
+
+
+def _resolve_offloaded_layers(model: ModelConfig, parallel: ParallelConfig) -> ModelConfig:
+    """--cpu-offloading's layer count against the layers of one model chunk (all but the last by default)."""
+    requested = model.cpu_offloading_num_layers
+    if requested == 0:
+        return model
+    chunk = model.num_layers // (parallel.pipeline_model_parallel_size * parallel.virtual_stages)
+    n = chunk - 1 if requested == -1 else requested
+    if not 1 <= n < chunk:
+        flag = "--cpu-offloading" if requested == -1 else f"--cpu-offloading-num-layers {requested}"
+        raise ValueError(f"{flag}: a model chunk here has {chunk} layer(s) and the last one's activations are needed "
+                         f"first by the backward, so 1 to {chunk - 1} layers can be offloaded; use more layers per "
+                         "stage or drop --cpu-offloading")
+    return dataclasses.replace(model, cpu_offloading_num_layers=n)
+
+
 def _check_model_on_mesh(model: ModelConfig, parallel: ParallelConfig) -> None:
     pp, tp = parallel.pipeline_model_parallel_size, parallel.tensor_model_parallel_size
-    if model.num_layers % pp:
-        raise ValueError(f"--num-layers {model.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    if model.num_layers % (pp * parallel.virtual_stages):
+        what = f"--pipeline-model-parallel-size {pp}" + (
+            f" x {parallel.virtual_stages} virtual stages" if parallel.virtual_stages > 1 else "")
+        raise ValueError(f"--num-layers {model.num_layers} is not divisible by {what}")
     heads_groups = model.num_query_groups or model.num_attention_heads
     if heads_groups % tp:
         raise ValueError(f"the number of query groups / attention heads ({heads_groups}) is not divisible by "
                          f"--tensor-model-parallel-size {tp}")
+    _check_sequence_split(model, parallel)
     ep = parallel.expert_model_parallel_size
     if model.moe is None:
         if ep > 1:

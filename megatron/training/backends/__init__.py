@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron.core.pipeline_parallel.model_chunks import ModelChunks
 from megatron.training.backends.base import Backend
 from megatron.training.backends.ddp import MegatronBackend
 from megatron.training.backends.zero import ZeroBackend, build_lazy_model
@@ -12,11 +13,21 @@ from megatron.training.config import Config
 
 
 def build_model(cfg: Config, model_provider, model_cfg, rng_tracker, device: torch.device) -> torch.nn.Module:
-    """The model on ``device``; for the engine it is built without memory and the engine fills it chunk
-    by chunk (a model bigger than host memory can be trained), see zero.build_lazy_model."""
+    """This stage's model on ``device``: ``model_provider(model_cfg, rng_tracker)``, or with the interleaved
+    schedule a ``ModelChunks`` of its v chunks (``virtual_stage=k, virtual_stages=v``). For the engine it is built
+    without memory and the engine fills it chunk by chunk (a model bigger than host memory can be trained), see
+    zero.build_lazy_model."""
+    v = cfg.parallel.virtual_stages
+
+    def build() -> torch.nn.Module:
+        if v == 1:
+            return model_provider(model_cfg, rng_tracker)
+        return ModelChunks([model_provider(model_cfg, rng_tracker, virtual_stage=k, virtual_stages=v)
+                            for k in range(v)])
+
     if cfg.zero_cache is not None:
-        return build_lazy_model(model_provider, model_cfg, rng_tracker, device)
-    return model_provider(model_cfg, rng_tracker).to(device)
+        return build_lazy_model(build, device)
+    return build().to(device)
 
 
 def build_backend(cfg: Config, model: torch.nn.Module) -> Backend:

@@ -16,6 +16,7 @@ import torch
 
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.training.checkpoint.config import CheckpointConfig
+from zero_cache.streams import Streams
 
 if TYPE_CHECKING:
     from megatron.core.tensor_parallel import RNGStatesTracker
@@ -96,6 +97,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's (tensor/pipeline-partitioned) weights as fp32 copies."""
+
+    def shared_copy_streams(self) -> Streams | None:
+        """Copy streams the backend already runs that activation offload should share (the ZeRO engine's);
+        None: offload makes the device's own."""
+        return None
 
     def finish(self) -> None:  # noqa: B027 (only the zero_cache backend has an update left in flight)
         """End of training: wait for any update still in flight, raising its error (nothing by default)."""

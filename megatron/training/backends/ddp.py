@@ -37,10 +37,12 @@ class MegatronBackend(Backend):
 
     def __init__(self, cfg: Config, model: torch.nn.Module):
         self.module = model
-        self.model = DistributedDataParallel(model, ps.get_data_parallel_group(),
+        # Context-parallel ranks hold the same weights and see other tokens: they reduce gradients with DP.
+        dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
+        self.model = DistributedDataParallel(model, dp_cp,
                                              expert_data_parallel_group=ps.get_expert_data_parallel_group())
         experts = ps.get_expert_model_parallel_and_model_parallel_group() if cfg.model.moe is not None else None
-        self.optimizer = get_megatron_optimizer(cfg.optimizer, [model], ps.get_data_parallel_group(),
+        self.optimizer = get_megatron_optimizer(cfg.optimizer, [model], dp_cp,
                                                 ps.get_model_parallel_group(), experts)
 
     def checkpoint_states(self) -> StateSource:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -18,6 +18,7 @@ import zero_cache
 from megatron.core import parallel_state as ps
 from megatron.core.deferred_init import initial_value
 from megatron.core.distributed.data_parallel import is_expert_param
+from megatron.core.pipeline_parallel.model_chunks import model_chunks
 from megatron.core.tensor_parallel import param_is_tensor_parallel_duplicate
 from megatron.training.backends.base import Backend, BackendStepResult
 from megatron.training.checkpoint import names
@@ -34,11 +35,11 @@ if TYPE_CHECKING:
     from zero_cache.checkpoint.interface import StateSource
 
 
-def build_lazy_model(model_provider, model_cfg, rng_tracker, device: torch.device) -> torch.nn.Module:
-    """Build on the meta device (no memory), then give the parameters storage-less tensors on ``device``;
+def build_lazy_model(build: Callable[[], torch.nn.Module], device: torch.device) -> torch.nn.Module:
+    """``build()`` on the meta device (no memory), then give the parameters storage-less tensors on ``device``;
     ``zero_cache.initialize(param_init=initial_value)`` materialises them one chunk at a time."""
     with torch.device("meta"):
-        model = model_provider(model_cfg, rng_tracker)
+        model = build()
     for module in model.modules():  # the GPT's buffers (MoE routers' expert bias and counts) start at zero
         for name, b in list(module._buffers.items()):
             if b is not None and b.is_meta:
@@ -71,7 +72,7 @@ class ZeroBackend(Backend):
             tied.append((shared, ps.get_embedding_group()))
         try:
             self.model = zero_cache.initialize(
-                model, config=cfg.zero_cache, dp_group=ps.get_data_parallel_group(),
+                model, config=cfg.zero_cache, dp_group=ps.get_data_parallel_group(with_context_parallel=True),
                 model_parallel_group=ps.get_model_parallel_group(),
                 param_in_grad_norm=lambda p: not getattr(p, "shared", False)
                 and not param_is_tensor_parallel_duplicate(p),
@@ -80,9 +81,10 @@ class ZeroBackend(Backend):
                 param_init=initial_value)
         except zero_cache.ZeroConfigError as e:
             raise ConfigError(str(e)) from None
-        if model.post_process and model.pre_process and model.output_layer.weight is None:
-            # The tied output head reads the embedding's weight outside the embedding module.
-            self.model.register_external_parameter(model.output_layer, model.embedding.word_embeddings.weight)
+        for chunk in model_chunks(model):  # one, or the interleaved schedule's chunks of this stage
+            if chunk.post_process and chunk.pre_process and chunk.output_layer.weight is None:
+                # The tied output head reads the embedding's weight outside the embedding module.
+                self.model.register_external_parameter(chunk.output_layer, chunk.embedding.word_embeddings.weight)
         self.optimizer = None  # the engine owns the optimizer; the LR comes in through step(lr)
 
     def zero_grad(self) -> None:
@@ -144,6 +146,10 @@ class ZeroBackend(Backend):
 
     def finish(self) -> None:
         self.model.finish_update()  # an update left to run under the next forward (states on SSD) ends here
+
+    def shared_copy_streams(self) -> zero_cache.streams.Streams:
+        """The engine's copy streams: activation offload queues behind the parameter and gradient copies."""
+        return self.model.streams
 
     def comm_stats(self) -> zero_cache.comm.CommStepStats | None:
         """The last step's collectives on this rank's data-parallel group next to the ZeRO theory (None

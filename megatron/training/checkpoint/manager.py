@@ -35,13 +35,15 @@ MODEL_KEYS = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
               ("position_embedding_type", "--position-embedding-type"), ("normalization", "--normalization"),
               ("swiglu", "--swiglu"), ("openai_gelu", "--openai-gelu"), ("add_bias_linear", "--disable-bias-linear"),
               ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"))
-MESH_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
+MESH_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
+             "context_parallel_size")
 
 
 def rng_key() -> str:
-    """This rank's RNG states in a checkpoint."""
+    """This rank's RNG states in a checkpoint (the context-parallel rank only where there is one)."""
+    cp = f"_cp{ps.get_context_parallel_rank()}" if ps.get_context_parallel_world_size() > 1 else ""
     return (f"rng/tp{ps.get_tensor_model_parallel_rank()}_pp{ps.get_pipeline_model_parallel_rank()}"
-            f"_dp{ps.get_data_parallel_rank()}")
+            f"_dp{ps.get_data_parallel_rank()}{cp}")
 
 
 def check_same_model(saved: dict, ours: dict, where: str) -> None:
@@ -141,7 +143,9 @@ class CheckpointManager:
         check_same_model(saved_args, self.args, directory)
         optimizer = not (cfg.no_load_optim or cfg.finetune)
         want_rng = not (cfg.no_load_rng or cfg.finetune)
-        same_mesh = all(saved_args.get(k) == self.args.get(k) for k in MESH_KEYS)
+        # Checkpoints from before context parallelism have no context_parallel_size: they had none.
+        saved_mesh = {"context_parallel_size": 1, **saved_args}
+        same_mesh = all(saved_mesh.get(k) == self.args.get(k) for k in MESH_KEYS)
         objects = ["iteration", "consumed_samples"] + (["opt_param_scheduler"] if optimizer else [])
         optional = [rng_key()] if want_rng and same_mesh else []
         loaded = checkpointer.load(directory, self.backend.checkpoint_states(), self.backend.checkpoint_layout(),
@@ -151,7 +155,7 @@ class CheckpointManager:
         if want_rng and rng_key() in loaded:
             set_rng_state(loaded[rng_key()], self.rng_tracker)
         elif want_rng and dist.get_rank() == 0:
-            mesh = ", ".join(f"{k.split('_')[0]} {saved_args.get(k)} -> {self.args.get(k)}" for k in MESH_KEYS)
+            mesh = ", ".join(f"{k.split('_')[0]} {saved_mesh.get(k)} -> {self.args.get(k)}" for k in MESH_KEYS)
             logger.warning("checkpoint %s was saved on another mesh (%s): RNG states start fresh", directory, mesh)
         if cfg.finetune:
             return 0, 0

@@ -1,0 +1,46 @@
+"""Context-parallel causal attention: the sequence of every sample is split over the CP ranks in the load-balanced
+layout (load_balance.py), and attention is computed either by passing key/value blocks around a ring ("p2p",
+ring_attention.py) or by all-to-alls between a sequence split and a head split ("a2a", all_to_all_attention.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.context_parallel.all_to_all_attention import all_to_all_attention
+from megatron.core.context_parallel.load_balance import (
+    chunk_ids,
+    gather_from_context_parallel,
+    split_for_context_parallel,
+    to_load_balanced_order,
+    to_natural_order,
+)
+from megatron.core.context_parallel.ring_attention import ring_attention
+
+COMM_TYPES = ("p2p", "a2a")
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm_type: str,
+                               group: dist.ProcessGroup, scale: float | None = None,
+                               dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention over the whole sequence for this CP rank's load-balanced local sequence: q
+    [b, hq, s_local, d], k and v [b, hkv, s_local, d] -> [b, hq, s_local, d]. ``comm_type`` "p2p" (ring
+    attention; no dropout) or "a2a" (Ulysses; hq divisible by the CP size)."""
+    if comm_type == "p2p":
+        return ring_attention(q, k, v, group, scale=scale, dropout_p=dropout_p)
+    if comm_type == "a2a":
+        return all_to_all_attention(q, k, v, group, scale=scale, dropout_p=dropout_p)
+    raise ValueError(f"--cp-comm-type {comm_type!r} is not one of {', '.join(COMM_TYPES)}")
+
+
+__all__ = [
+    "COMM_TYPES",
+    "all_to_all_attention",
+    "chunk_ids",
+    "context_parallel_attention",
+    "gather_from_context_parallel",
+    "ring_attention",
+    "split_for_context_parallel",
+    "to_load_balanced_order",
+    "to_natural_order",
+]
