@@ -4,6 +4,7 @@
 #   bash examples/start.sh            # embedded default: a small GPT on the bundled sample corpus (CPU ok)
 #   bash examples/start.sh 1.3b       # a named size from the table below
 #   EP=2 bash examples/start.sh moe-tiny   # a mixture of experts (moe-* sizes), experts split over 2 ranks
+#   CP=8 bash examples/start.sh 1.3b-32k   # 32K-token sequences, each split over 8 ranks (context parallelism)
 #   bash examples/start.sh list       # print the table
 #
 # Environment overrides (Megatron example-script style):
@@ -11,6 +12,7 @@
 #   LAUNCH_ARGS passes ptm-launch options, e.g. "--master_port 6000")
 #   MAX_RESTARTS (restart every rank up to N times after a rank or node failure, resuming from SAVE_DIR)
 #   TP, PP, EP (tensor, pipeline, expert parallel sizes; EP divides the data-parallel size, moe-* sizes only)
+#   CP (context-parallel size: ranks that split every sequence; with TP > 1 sequence parallelism is on too)
 #   MBS, GBS (micro / global batch)   SEQ_LEN   TRAIN_ITERS   LR
 #   DATA_PATH (preprocessed prefix; default: build the sample corpus)   SAVE_DIR (checkpoints; also resumes)
 #   DS_CONFIG (DeepSpeed-style JSON: trains through the zero_cache engine)   EXTRA_ARGS (appended flags)
@@ -57,10 +59,13 @@ if python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"
 else
   NPROC="${NPROC:-2}"; BACKEND=gloo; PREC=""  # fp32 on CPU: bf16 matmuls are 20-50x slower there
 fi
-TP="${TP:-1}"; PP="${PP:-1}"; EP="${EP:-1}"
+TP="${TP:-1}"; PP="${PP:-1}"; EP="${EP:-1}"; CP="${CP:-1}"
 MBS="${MBS:-$TABLE_MBS}"
-DP=$(( NPROC / (TP * PP) ))
-SEQ_LEN="${SEQ_LEN:-$("${SIZE_TABLE[@]}" seq-length)}"
+DP=$(( NPROC / (TP * PP * CP) ))
+SEQ_LEN="${SEQ_LEN:-$("${SIZE_TABLE[@]}" seq-length "$SIZE")}"
+# Sequence parallelism costs nothing over tensor parallelism and divides the norms' activations by TP.
+SPLIT_ARGS=(--context-parallel-size "$CP")
+if [ "$TP" -gt 1 ]; then SPLIT_ARGS+=(--sequence-parallel); fi
 if [ "$SIZE" = default ]; then TRAIN_ITERS="${TRAIN_ITERS:-100}"; LR="${LR:-1e-3}"; else TRAIN_ITERS="${TRAIN_ITERS:-1000}"; LR="${LR:-3e-4}"; fi
 
 # Memory plan: refuse a size that cannot fit before preparing data or starting processes.
@@ -76,7 +81,7 @@ else
   # shellcheck disable=SC2086
   python -m ptm_planner --size "$SIZE" --seq-length "$SEQ_LEN" --micro-batch-size "$MBS" \
     --nproc-per-node "$(( NPROC / NNODES ))" --nnodes "$NNODES" --tensor-model-parallel-size "$TP" \
-    --pipeline-model-parallel-size "$PP" --expert-model-parallel-size "$EP" --device "$PLAN_DEVICE" \
+    --pipeline-model-parallel-size "$PP" --expert-model-parallel-size "$EP" "${SPLIT_ARGS[@]}" --device "$PLAN_DEVICE" \
     --vocab-size "$PLAN_VOCAB" $PREC \
     --write-ds-config "$PLAN_DIR/ds_config.json" --write-args "$PLAN_DIR/model_args.txt" ${PLAN_ARGS:-} \
     > "$PLAN_DIR/plan.txt" && PLAN_RC=0 || PLAN_RC=$?
@@ -116,6 +121,7 @@ fi
 ARGS=(
   "${MODEL_ARGS[@]}" --global-batch-size "$GBS"
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --expert-model-parallel-size "$EP"
+  "${SPLIT_ARGS[@]}"
   --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$(python -c "print($LR/10)")" --lr-decay-style cosine
   --lr-warmup-fraction 0.05 --weight-decay 0.1 --clip-grad 1.0
   --data-path "$DATA_PATH" --split 98,2,0 "${DATA_ARGS[@]}"
@@ -132,7 +138,7 @@ if [ -n "${TENSORBOARD_DIR:-}" ]; then ARGS+=(--tensorboard-dir "$TENSORBOARD_DI
 # shellcheck disable=SC2206
 ARGS+=(${EXTRA_ARGS:-})
 
-echo "[start.sh] size=$SIZE layers=$LAYERS hidden=$HIDDEN heads=$HEADS ffn=$FFN${MOE_ARGS[*]:+ moe: ${MOE_ARGS[*]}} nproc=$NPROC TP=$TP PP=$PP EP=$EP DP=$DP mbs=$MBS gbs=$GBS seq=$SEQ_LEN"
+echo "[start.sh] size=$SIZE layers=$LAYERS hidden=$HIDDEN heads=$HEADS ffn=$FFN${MOE_ARGS[*]:+ moe: ${MOE_ARGS[*]}} nproc=$NPROC TP=$TP PP=$PP EP=$EP CP=$CP DP=$DP mbs=$MBS gbs=$GBS seq=$SEQ_LEN"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}"
 RESTARTS=()
 if [ "${MAX_RESTARTS:-0}" != 0 ]; then

@@ -4,6 +4,8 @@
     python tools/plan_memory.py --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --largest
     ptm-plan --size 55 --host-memory-gib 24 --nvme-free-gib 70 --json
     ptm-plan --size moe-8x1.3b --nproc-per-node 8 --expert-model-parallel-size 8 --device cuda --device-memory-gib 80
+    ptm-plan --size 1.3b --bf16 --device cuda --device-memory-gib 80 --nproc-per-node 8 --tensor-model-parallel-size 2 \
+        --sequence-parallel --context-parallel-size 4 --attention-dropout 0 --longest-seq --write-args args.txt
     python -m ptm_planner --size 125m --device cpu      # as examples/start.sh runs it
 
 The command line, hardware detection and reports; how the plan is made is ptm_planner.plan. Exit
@@ -26,8 +28,10 @@ import torch
 from megatron.core.parallel_state import ParallelConfigError, check_expert_parallel_size
 from megatron.training.arguments import ConfigError as MegatronConfigError
 from megatron.training.arguments.model import add_model_args, model_config_from_args
+from ptm_planner.activations import ActivationLayout
 from ptm_planner.all_to_all import AllToAll, all_to_all
 from ptm_planner.family import Plan, growth, largest, plan
+from ptm_planner.longest_seq import longest_seq, seq_step
 from ptm_planner.moe_args import add_expert_parallel_arg, add_moe_args, moe_megatron_args
 from ptm_planner.plan import (
     DEFAULT_VOCAB_SIZE,
@@ -37,6 +41,7 @@ from ptm_planner.plan import (
     Planner,
     Request,
     format_bytes,
+    with_seq,
 )
 from ptm_planner.sizes import DEFAULT_SEQ_LENGTH, SIZES, get_size
 from ptm_planner.stages import Mesh, StageModel
@@ -67,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requested micro-batch (default: the size's, else 1); lowered if it does not fit")
     g.add_argument("--recompute-activations", action="store_true",
                    help="force full activation recompute (else recommended only when needed)")
+    add_long_context_args(p, g)
     g = p.add_argument_group("hardware (detected when omitted)")
     g.add_argument("--device", choices=["cpu", "cuda"], default=None)
     g.add_argument("--device-memory-gib", type=finite, default=None, help="accelerator memory per device")
@@ -90,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--largest", action="store_true", help="plan the largest model of this family (grow --largest-by)")
     g.add_argument("--largest-by", choices=["layers", "experts"], default="layers",
                    help="what --largest grows: --num-layers, or --num-experts of a mixture of experts")
+    g.add_argument("--longest-seq", action="store_true",
+                   help="plan the longest --seq-length this model trains at here (multiples of 2 x CP x TP)")
     g.add_argument("--write-ds-config", metavar="PATH", help="write the chosen zero_cache JSON config")
     g.add_argument("--write-args", metavar="PATH", help="write the planned Megatron flags, one shell word per line")
     g.add_argument("--json", action="store_true", help="machine-readable plan on stdout")
@@ -102,6 +110,83 @@ def finite(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
     return value
+
+
+def add_long_context_args(p: argparse.ArgumentParser, g: argparse._ArgumentGroup) -> None:
+    """The trainer's flags that change the activations (Megatron-core names), where the model flags
+    (add_model_args) do not bring them already; --recompute-granularity full|selective is among those."""
+    have = p._option_string_actions
+    flags = [
+        ("--sequence-parallel", {"action": "store_true",
+                                 "help": "with TP: norms, dropouts and residuals hold 1/TP of the sequence"}),
+        ("--context-parallel-size", {"type": int, "default": 1,
+                                     "help": "ranks that split every sequence (each holds seq / CP tokens)"}),
+        ("--cp-comm-type", {"choices": ["p2p", "a2a"], "default": "p2p",
+                            "help": "context-parallel attention: p2p ring, a2a Ulysses all-to-all"}),
+        ("--num-layers-per-virtual-pipeline-stage", {"type": int, "default": None,
+                                                     "help": "the interleaved 1F1B schedule's model chunk size"}),
+        ("--cpu-offloading", {"action": "store_true", "help": "move saved activations of the first layers of each "
+                              "model chunk to host memory (all but its last unless --cpu-offloading-num-layers)"}),
+        ("--cpu-offloading-num-layers", {"type": int, "default": None,
+                                         "help": "layers per model chunk --cpu-offloading moves (implies it)"}),
+    ]
+    for flag, kwargs in flags:
+        if flag not in have:
+            g.add_argument(flag, **kwargs)
+
+
+def layout_from_args(args: argparse.Namespace, mesh: Mesh) -> ActivationLayout:
+    """The activation layout of the flags, checked as the trainer checks them (parse.py), so that a plan that fits
+    is one the trainer takes."""
+    tp, pp, cp = mesh.tp, mesh.pp, mesh.cp
+    layers = args.num_layers // pp
+    n = args.num_layers_per_virtual_pipeline_stage
+    if n is not None and args.largest:  # --largest grows whole model chunks (family.growth)
+        if n <= 0 or pp == 1:
+            raise ValueError(f"--num-layers-per-virtual-pipeline-stage {n} needs a positive size and "
+                             "--pipeline-model-parallel-size > 1")
+    elif n is not None:
+        if n <= 0 or layers % n:
+            raise ValueError(f"--num-layers-per-virtual-pipeline-stage {n} must divide the layers per pipeline stage "
+                             f"(--num-layers {args.num_layers} / --pipeline-model-parallel-size {pp})")
+        if layers // n > 1 and pp == 1:
+            raise ValueError("the interleaved schedule (--num-layers-per-virtual-pipeline-stage) needs "
+                             "--pipeline-model-parallel-size > 1")
+        n = n if layers // n > 1 else None
+    sp = args.sequence_parallel and tp > 1
+    if (cp > 1 or sp) and args.num_experts:
+        what = "--context-parallel-size > 1" if cp > 1 else "--sequence-parallel"
+        raise ValueError(f"{what} with mixture-of-experts layers (--num-experts) is not supported; drop one")
+    if cp > 1 and mesh.ep > 1:
+        raise ValueError("expert parallelism with context parallelism is not supported; use "
+                         "--expert-model-parallel-size 1 or --context-parallel-size 1")
+    if cp > 1 and args.cp_comm_type == "p2p" and args.attention_dropout > 0:
+        raise ValueError(f"--attention-dropout {args.attention_dropout} with ring attention (--cp-comm-type p2p): "
+                         "set --attention-dropout 0, or use --cp-comm-type a2a")
+    if cp > 1 and args.cp_comm_type == "a2a" and (args.num_attention_heads // tp) % cp:
+        raise ValueError(f"--cp-comm-type a2a splits each tensor-parallel rank's {args.num_attention_heads // tp} "
+                         f"attention heads over --context-parallel-size {cp}: choose sizes that divide, or use p2p")
+    offloaded = 0
+    if args.cpu_offloading or args.cpu_offloading_num_layers is not None:
+        chunk = n or layers
+        offloaded = -1 if args.cpu_offloading_num_layers is None else args.cpu_offloading_num_layers
+        if not args.largest and not 1 <= (chunk - 1 if offloaded == -1 else offloaded) < chunk:
+            raise ValueError(f"--cpu-offloading-num-layers {offloaded}: a model chunk has {chunk} layer(s) and the "
+                             f"last one's activations are needed first by the backward, so 1 to {chunk - 1} can be "
+                             "offloaded")
+    if offloaded and args.recompute_granularity == "full":
+        raise ValueError("--cpu-offloading with --recompute-granularity full: full recompute keeps only each layer's "
+                         "input, there is nothing left to offload; choose one (selective recompute combines)")
+    granularity = "selective" if args.recompute_granularity == "selective" else None
+    return ActivationLayout(sp, args.cp_comm_type, n, granularity, offloaded)
+
+
+def check_seq_split(seq_length: int, mesh: Mesh, layout: ActivationLayout) -> None:
+    """Context parallelism cuts every sequence into 2 x CP chunks, sequence parallelism a rank's part into TP."""
+    pieces = seq_step(mesh, layout, strict=True)
+    if seq_length % pieces:
+        raise ValueError(f"--seq-length {seq_length} is not divisible by {pieces} (2 x --context-parallel-size x "
+                         f"--tensor-model-parallel-size with --sequence-parallel); use a multiple of {pieces}")
 
 
 def detect_hardware(args: argparse.Namespace) -> Hardware:
@@ -151,6 +236,7 @@ def request_from_args(argv: list[str]) -> tuple[Request, argparse.Namespace]:
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--size", default=None)
     pre.add_argument("--largest", action="store_true")
+    pre.add_argument("--longest-seq", action="store_true")
     pre.add_argument("--largest-by", default="layers")
     pre.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     known, _ = pre.parse_known_args(argv)
@@ -173,8 +259,15 @@ def request_from_args(argv: list[str]) -> tuple[Request, argparse.Namespace]:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0 (got {value})")
     if args.fp16 and args.bf16:
         raise ValueError("--fp16 and --bf16 are mutually exclusive; pick one")
+    if args.largest and args.longest_seq:
+        raise ValueError("--largest grows the model and --longest-seq the sequence; ask for one at a time")
     if args.checkpoint_activations or args.recompute_activations:
         args.recompute_granularity = "full"
+    granularity = args.recompute_granularity
+    if granularity == "selective":  # carried by the activation layout; the model's config plans full only
+        args.recompute_granularity = None
+    if args.cpu_offloading_num_layers is not None:  # the planner's flag implies the trainer's
+        args.cpu_offloading = True
     args.params_dtype = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
     args.seed = 1234  # initialisation only; no effect on memory
     hardware = detect_hardware(args)
@@ -182,12 +275,15 @@ def request_from_args(argv: list[str]) -> tuple[Request, argparse.Namespace]:
         args.nproc_per_node = (torch.cuda.device_count() or 1) if hardware.device == "cuda" and \
             torch.cuda.is_available() else (1 if hardware.device == "cuda" else 2)
     mesh = Mesh(args.nproc_per_node, args.nnodes, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                args.expert_model_parallel_size)
+                args.expert_model_parallel_size, args.context_parallel_size)
     try:
+        if mesh.cp < 1:
+            raise ValueError(f"--context-parallel-size {mesh.cp} must be >= 1")
         check_expert_parallel_size(mesh.ep, mesh.dp)  # also validates the mesh
         model = model_config_from_args(args).transformer_config(args.vocab_size, args.tensor_model_parallel_size)
     except (ParallelConfigError, MegatronConfigError) as e:
         raise ValueError(str(e)) from None
+    args.recompute_granularity = granularity
     if model.num_layers % mesh.pp:
         raise ValueError(f"--num-layers {model.num_layers} is not divisible by --pipeline-model-parallel-size "
                          f"{mesh.pp}")
@@ -196,9 +292,12 @@ def request_from_args(argv: list[str]) -> tuple[Request, argparse.Namespace]:
     if model.moe is not None and model.moe.num_experts % mesh.ep:
         raise ValueError(f"--num-experts {model.moe.num_experts} is not divisible by --expert-model-parallel-size "
                          f"{mesh.ep}; choose an expert count that the expert-parallel ranks split evenly")
+    layout = layout_from_args(args, mesh)
+    if not args.longest_seq:  # else the search picks the length
+        check_seq_split(model.seq_length, mesh, layout)
     offloads = OFFLOADS if args.offload == "auto" else (args.offload,)
     return Request(model, mesh, hardware, args.micro_batch_size, offloads, args.make_vocab_size_divisible_by,
-                   known.size, speeds_from_args(args, hardware), args.gradient_accumulation_steps), args
+                   known.size, speeds_from_args(args, hardware), args.gradient_accumulation_steps, layout), args
 
 
 def speeds_from_args(args: argparse.Namespace, hardware: Hardware) -> Speeds | None:
@@ -225,6 +324,28 @@ def speeds_from_args(args: argparse.Namespace, hardware: Hardware) -> Speeds | N
     return Speeds(**values, measured=tuple(measured))
 
 
+def long_context_args(r: Request, full_recompute: bool) -> list[str]:
+    """The planned activation layout as the trainer's flags (what differs from its defaults)."""
+    layout, mesh, m = r.layout, r.mesh, r.model
+    out = []
+    if m.attention_dropout != 0.1:  # the kernel (math or flash-style) and ring attention depend on it
+        out += ["--attention-dropout", f"{m.attention_dropout:g}"]
+    if m.hidden_dropout != 0.1:
+        out += ["--hidden-dropout", f"{m.hidden_dropout:g}"]
+    if layout.granularity == "selective" and not full_recompute:
+        out += ["--recompute-granularity", "selective"]
+    if layout.sequence_parallel:
+        out += ["--sequence-parallel"]
+    if mesh.cp > 1:
+        out += ["--context-parallel-size", str(mesh.cp), "--cp-comm-type", layout.cp_comm_type]
+    if layout.virtual_stages(m.num_layers // mesh.pp) > 1:
+        out += ["--num-layers-per-virtual-pipeline-stage", str(layout.layers_per_virtual_stage)]
+    if layout.offloaded_layers:
+        out += ["--cpu-offloading"] + (["--cpu-offloading-num-layers", str(layout.offloaded_layers)]
+                                       if layout.offloaded_layers > 0 else [])
+    return out
+
+
 def megatron_args(p: Plan) -> list[str]:
     """The planned model and batch as Megatron-LM flags (accepted by megatron/training/arguments/)."""
     m, r, opt = p.request.model, p.request, p.chosen.option
@@ -249,6 +370,7 @@ def megatron_args(p: Plan) -> list[str]:
     if opt.recompute:
         out += ["--recompute-granularity", "full", "--recompute-method", m.recompute_method,
                 "--recompute-num-layers", str(m.recompute_num_layers)]
+    out += long_context_args(r, opt.recompute)
     out += ["--tensor-model-parallel-size", str(r.mesh.tp), "--pipeline-model-parallel-size", str(r.mesh.pp)]
     return out + moe_megatron_args(m.moe, r.mesh.ep)
 
@@ -342,6 +464,8 @@ def to_json(p: Plan) -> dict:
         "largest_experts": p.largest_experts,
         "largest_parameters": p.largest_parameters,
         "largest_size": p.largest_size,
+        "longest_seq": p.longest_seq,
+        "layout": dataclasses.asdict(r.layout),
         "needs": p.needs,
         "speeds": dataclasses.asdict(r.speeds) if r.speeds is not None else None,
         "step_prediction": None if p.step is None else {
@@ -353,12 +477,13 @@ def to_json(p: Plan) -> dict:
 
 def summary(p: Plan) -> str:
     r = p.request
+    cp = f"CP {r.mesh.cp}, " if r.mesh.cp > 1 else ""
     if p.fits:
         o = p.chosen.option
-        return (f"fits: {describe_model(r)} on {r.mesh.world} processes (TP {r.mesh.tp}, PP {r.mesh.pp}, "
+        return (f"fits: {describe_model(r)} on {r.mesh.world} processes (TP {r.mesh.tp}, {cp}PP {r.mesh.pp}, "
                 f"DP {r.mesh.dp}) with offload={o.offload}, micro-batch {o.micro_batch_size}"
                 f"{', full recompute' if o.recompute else ''}")
-    lines = [f"does not fit: {describe_model(r)} on {r.mesh.world} processes (TP {r.mesh.tp}, PP {r.mesh.pp}, "
+    lines = [f"does not fit: {describe_model(r)} on {r.mesh.world} processes (TP {r.mesh.tp}, {cp}PP {r.mesh.pp}, "
              f"DP {r.mesh.dp}) of this hardware:"]
     lines += [f"  - {f}" for f in p.chosen.failures]
     if p.largest_layers or p.largest_experts:
@@ -382,6 +507,19 @@ def summary(p: Plan) -> str:
     return "\n".join(lines)
 
 
+def mesh_text(r: Request) -> str:
+    """TP (sequence-parallel), CP (its attention), PP (interleaved), DP of the request."""
+    m, layout = r.mesh, r.layout
+    v = layout.virtual_stages(r.model.num_layers // m.pp)
+    return (f"TP {m.tp}{' (sequence-parallel)' if layout.seq_split(m.tp) > 1 else ''}"
+            + (f" CP {m.cp} ({layout.cp_comm_type})" if m.cp > 1 else "")
+            + f" PP {m.pp}{f' ({v} model chunks each)' if v > 1 else ''} DP {m.dp}")
+
+
+def recompute_text(r: Request, full: bool) -> str:
+    return "full" if full else r.layout.granularity or "none"
+
+
 def largest_line(p: Plan) -> str:
     flag, n = ("--num-layers", p.largest_layers) if p.largest_layers is not None else \
         ("--num-experts", p.largest_experts)
@@ -393,8 +531,18 @@ def nothing_fits(r: Request, by: str = "layers") -> str:
     fewest experts) fits: what that needs with every state on SSD against what the hardware has, and the flags
     that change either."""
     g = growth(r, by)
-    smallest = g.apply(r, g.first)
-    planner = Planner(smallest)
+    what = f"{g.first} layer(s)" if by == "layers" else f"{g.first} experts per MoE layer"
+    return _smallest_does_not_fit(g.apply(r, g.first), what)
+
+
+def no_length_fits(r: Request) -> str:
+    """One line for --longest-seq when not even the shortest length the mesh splits fits."""
+    step = seq_step(r.mesh, r.layout)
+    return _smallest_does_not_fit(with_seq(r, step), f"--seq-length {step} of this model")
+
+
+def _smallest_does_not_fit(smallest: Request, what: str) -> str:
+    r, planner = smallest, Planner(smallest)
     lean = planner.leanest()
     need = planner.requirements(dataclasses.replace(lean, offload="nvme") if "nvme" in r.offloads else lean)
     hw = r.hardware
@@ -405,7 +553,6 @@ def nothing_fits(r: Request, by: str = "layers") -> str:
         rows.append(("memory per accelerator", need["device_memory"], hw.device_memory, "--device-memory-gib"))
     short = [row for row in rows if row[1] > row[2]] or rows[:1]
     where = "detected here" if hw.detected else "given"
-    what = f"{g.first} layer(s)" if by == "layers" else f"{g.first} experts per MoE layer"
     return (f"nothing of this family fits: {what} ({_params(smallest.model.num_parameters())} "
             f"parameters) on {r.mesh.world} processes need "
             + ", ".join(f"{format_bytes(n)} {what} ({format_bytes(have)} {where})" for what, n, have, _ in short)
@@ -420,15 +567,14 @@ def table(p: Plan) -> str:
     cpu = r.hardware.device == "cpu"
     hw = r.hardware
     out = [f"model: {describe_model(r)}",
-           f"mesh: {r.mesh.nnodes} node(s) x {r.mesh.nproc_per_node} processes, TP {r.mesh.tp} PP {r.mesh.pp} "
-           f"DP {r.mesh.dp}",
+           f"mesh: {r.mesh.nnodes} node(s) x {r.mesh.nproc_per_node} processes, {mesh_text(r)}",
            f"hardware: {hw.device}"
            + (f", {format_bytes(hw.device_memory)} per accelerator" if not cpu else " (the device tier is host memory)")
            + f", {format_bytes(hw.host_memory)} host memory per node, {format_bytes(hw.nvme_free)} free under "
              f"{hw.nvme_path}"
            + (f" (detected: {', '.join(hw.detected)})" if hw.detected else ""),
            f"option: offload={ev.option.offload}, micro-batch {ev.option.micro_batch_size}, "
-           f"{'full recompute' if ev.option.recompute else 'no recompute'}, sub_group_size {ev.option.sub_group_size}, "
+           f"recompute {recompute_text(r, ev.option.recompute)}, sub_group_size {ev.option.sub_group_size}, "
            f"prefetch_cache_sub_group_rate {ev.option.rate}", ""]
     cols = ["tier", "params", "grads", "optimizer", "staging", "gathered", "reduce", "activations", "logits",
             "overhead", "total"]
@@ -440,13 +586,14 @@ def table(p: Plan) -> str:
             vals = [states.get((k, tier), 0) for k in ("params", "grads", "optimizer")]
             staging = st.states.staging if tier == HOST else 0
             nonst = [ns.gathered, ns.reduce_buffers, ns.activations, ns.logits, ns.overhead_device] \
-                if tier == DEVICE else [0, 0, 0, 0, ns.overhead_host if tier == HOST else 0]
+                if tier == DEVICE else [0, 0, ns.offloaded, 0, ns.overhead_host] if tier == HOST else [0] * 5
             total = st.need()[tier]
             rows.append([tier] + [f"{v / GiB:.3f}" for v in vals + [staging] + nonst + [total]])
         widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
         out += ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
-        out.append(f"  activations: {format_bytes(ns.activations_full)} without recompute, "
-                   f"{format_bytes(ns.activations_recompute)} with full recompute; sub-groups "
+        offloaded = f", {format_bytes(ns.offloaded)} of them offloaded to host memory" if ns.offloaded else ""
+        out.append(f"  activations: {format_bytes(ns.activations_full)} with recompute {recompute_text(r, False)}, "
+                   f"{format_bytes(ns.activations_recompute)} with full recompute{offloaded}; sub-groups "
                    f"{st.states.sub_groups} ({st.states.cached_sub_groups} on the device); SSD page files "
                    f"{format_bytes(st.states.nvme_disk)}")
     cap = ev.capacity
@@ -465,13 +612,16 @@ def table(p: Plan) -> str:
     z = ev.config["zero_optimization"]
     out += ["", "recommendation:",
             f"  offload: {ev.option.offload}; micro-batch {ev.option.micro_batch_size} (requested "
-            f"{r.micro_batch_size}); recompute: {'full' if ev.option.recompute else 'none'}",
+            f"{r.micro_batch_size}); recompute: {recompute_text(r, ev.option.recompute)}",
             f"  prefetch_cache_sub_group_rate {z['prefetch_cache_sub_group_rate']}, max_contigous_params_size "
             f"{z['max_contigous_params_size']}, sub_group_size {z['sub_group_size']}, allgather_bucket_size "
             f"{z['allgather_bucket_size']}, stage3_prefetch_bucket_size {z['stage3_prefetch_bucket_size']}, "
             f"stage3_max_live_parameters {z['stage3_max_live_parameters']}"]
     if (p.largest_layers is not None or p.largest_experts is not None) and p.fits:
         out.append(f"  {largest_line(p)}")
+    if p.longest_seq:
+        out.append(f"  the longest sequence that fits: --seq-length {p.longest_seq} (the next multiple of "
+                   f"{seq_step(r.mesh, r.layout)} does not)")
     out += moe_lines(p)
     if p.step is not None:
         sp = r.speeds
@@ -494,7 +644,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"plan_memory.py: {nothing_fits(request, args.largest_by)}", file=sys.stderr)
                 return EXIT_DOES_NOT_FIT
             request = growth(request, args.largest_by).apply(request, found)
+        longest = None
+        if args.longest_seq:
+            longest = longest_seq(request)
+            if not longest:
+                print(f"plan_memory.py: {no_length_fits(request)}", file=sys.stderr)
+                return EXIT_DOES_NOT_FIT
+            request = with_seq(request, longest)
         result = plan(request, found, args.largest_by)
+        result.longest_seq = longest
     except (ValueError, RuntimeError) as e:
         print(f"plan_memory.py: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -26,6 +26,7 @@ class Plan:
     largest_size: str | None = None  # largest start.sh size that fits (computed when the request does not)
     needs: dict[str, dict[str, int]] = field(default_factory=dict)  # option name -> hardware it needs
     largest_experts: int | None = None  # largest --num-experts of this family that fits (--largest-by experts)
+    longest_seq: int | None = None  # the longest --seq-length that fits (--longest-seq; None: not computed)
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,9 @@ def growth(request: Request, by: str = "layers") -> Growth:
         if model.moe is not None and not isinstance(model.moe.layer_freq, int):
             raise ValueError("--largest grows --num-layers, and a --moe-layer-freq list fixes the layer count: give "
                              "--moe-layer-freq as an int k, or grow the experts (--largest-by experts)")
-        return Growth("--num-layers", mesh.pp, mesh.pp, model.num_layers, with_layers)
+        # The interleaved schedule needs whole model chunks on every stage.
+        step = mesh.pp * (request.layout.layers_per_virtual_stage or 1)
+        return Growth("--num-layers", step, step, model.num_layers, with_layers)
     if by == "experts":
         if model.moe is None:
             raise ValueError("--largest-by experts grows a mixture of experts; give --num-experts")

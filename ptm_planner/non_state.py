@@ -1,13 +1,21 @@
 """The planner's estimate of the memory that is not model state: gathered parameters, gradient reduce buffers,
-activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"), the
-loss's logits and a per-process runtime overhead. The model states themselves come from the engine's own
-placement code (plan.py)."""
+activations and the loss's logits (what this trainer's model keeps, ptm_planner/activations.py), activations
+moved to host memory by --cpu-offloading, and a per-process runtime overhead. The model states themselves come
+from the engine's own placement code (plan.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from megatron.core.transformer_config import TransformerConfig
+from ptm_planner.activations import (
+    ActivationLayout,
+    ActivationMemory,
+    ActivationSetup,
+    activation_memory,
+    moe_mlp_bytes,
+)
 from ptm_planner.stages import Mesh, StageModel
+from zero_cache.host_memory import START_UP_MMAP_THRESHOLD
 from zero_cache.partition import ChunkPlan
 
 GiB = 2**30
@@ -32,7 +40,8 @@ CUDA_OVERHEAD = RuntimeOverhead(host=2 * GiB, device=GiB)
 # inputs. Fitted to the peak RSS of a rank in 2-rank runs of the max-scale family with states on SSD
 # (benchmarks/RESULTS.md, "At the edge of RAM"): without this term the plan was 0.29 GiB above it at 18 layers
 # and 1.63 GiB below it at 106; with it, 0.61 and 0.24 GiB above. Measured with reuse_freed_host_memory false,
-# which the planner writes (ds_config).
+# which the planner writes (ds_config). Layer inputs of 4 MiB and more (long sequences) are mapped on their own
+# (zero_cache/host_memory.py), as is most of what a recomputed block allocates: no heap to fragment, no term.
 CPU_HEAP_PER_RECOMPUTED_LAYER = 9
 
 
@@ -40,23 +49,31 @@ CPU_HEAP_PER_RECOMPUTED_LAYER = 9
 class NonState:
     gathered: int  # stage-3 parameters gathered for compute (compute dtype)
     reduce_buffers: int  # gradient chunks being reduce-scattered (compute dtype)
-    activations: int  # with the chosen recompute setting
-    activations_full: int  # without recompute
+    # With the chosen recompute setting: what the stage keeps for the backward, and what a layer's backward needs
+    # beyond the logits' peak (ActivationMemory: their sum with ``logits`` is the activations' peak).
+    activations: int
+    activations_full: int  # the same without full recompute (the requested granularity: none or selective)
     activations_recompute: int  # with full recompute
     logits: int
     overhead_device: int
     overhead_host: int
+    offloaded: int = 0  # activations --cpu-offloading moved to host memory, with the chosen recompute setting
 
     @property
     def device_side(self) -> int:
         return (self.gathered + self.reduce_buffers + self.activations + self.logits
                 + self.overhead_device)
 
+    @property
+    def host_side(self) -> int:
+        return self.overhead_host + self.offloaded
+
 
 def layer_activation_bytes(cfg: TransformerConfig, micro_batch: int, tp: int, moe: bool = False) -> float:
-    """Activations one transformer layer keeps for backward (Korthikanti et al. 2022, without sequence
-    parallelism): s*b*h*(10 + (8 + 4*f/h*m)/t) + 5*a*s^2*b/t bytes in 16-bit (m = 2 with SwiGLU), which is
-    s*b*h*(34 + 5*a*s/h) for f = 4h, t = 1; fp32 doubles it.
+    """Korthikanti et al. 2022's estimate of the activations one transformer layer keeps (without sequence
+    parallelism), the planner's before ptm_planner/activations.py and now its reference
+    (benchmarks/activation_memory.py prints both): s*b*h*(10 + (8 + 4*f/h*m)/t) + 5*a*s^2*b/t bytes in 16-bit
+    (m = 2 with SwiGLU), which is s*b*h*(34 + 5*a*s/h) for f = 4h, t = 1; fp32 doubles it.
 
     An MoE layer's MLP term is its experts' instead (moe_mlp_bytes), plus its shared expert's like a dense MLP.
     """
@@ -67,68 +84,40 @@ def layer_activation_bytes(cfg: TransformerConfig, micro_batch: int, tp: int, mo
     if moe:
         ffn = cfg.moe.shared_expert_intermediate_size or 0
     per_layer = (s * b * h * (10 + (8 + 4 * ffn / h * m) / tp) + 5 * a * s * s * b / tp) * elem / 2
-    return per_layer + (moe_mlp_bytes(cfg, micro_batch, tp) if moe else 0)
+    return per_layer + (moe_mlp_bytes(cfg, s * b, tp) if moe else 0)
 
 
-def routed_rows(cfg: TransformerConfig, tokens: int) -> int:
-    """Token copies (rows) one rank's experts take per MoE layer: the k copies of each of its tokens, exchanged
-    one for one over the expert-parallel ranks when the routing is even (dropless); with a capacity factor at
-    most E x the capacity of an expert, whatever the routing."""
-    moe = cfg.moe
-    capacity = moe.capacity(tokens)
-    return tokens * moe.router_topk if capacity is None else moe.num_experts * capacity
-
-
-def moe_mlp_bytes(cfg: TransformerConfig, micro_batch: int, tp: int) -> float:
-    """The experts' activations of one MoE layer: every routed row as dispatched (h elements) and the expert's
-    hidden layer (fc1's output and its activation, 2*F*m/t elements, as the dense MLP's term), and the router's
-    fp32 logits and probabilities (2*E per token)."""
-    tokens = cfg.seq_length * micro_batch
-    moe = cfg.moe
-    f = moe.expert_ffn_hidden_size(cfg.ffn_hidden_size)
-    m = 2 if cfg.swiglu else 1
-    rows = routed_rows(cfg, tokens)
-    return rows * (cfg.hidden_size + 2 * f * m / tp) * cfg.params_dtype.itemsize + tokens * 2 * moe.num_experts * 4
-
-
-def activation_bytes(cfg: TransformerConfig, micro_batch: int, tp: int, layers: int, in_flight: int,
-                     recompute: bool, moe_layers: int = 0) -> int:
-    """Activations one rank keeps for backward over ``layers`` layers, ``moe_layers`` of them MoE
-    (layer_activation_bytes). With full recompute only each recompute block's input (s*b*h elements) stays,
-    plus one block's working set while it is recomputed. A 1F1B pipeline stage holds ``in_flight``
-    micro-batches.
-    """
-    s, b, h = cfg.seq_length, micro_batch, cfg.hidden_size
-    dense = layer_activation_bytes(cfg, micro_batch, tp) if layers > moe_layers else 0.0
-    moe = layer_activation_bytes(cfg, micro_batch, tp, moe=True) if moe_layers else 0.0
-    elem = cfg.params_dtype.itemsize
-    if not recompute:
-        return int(in_flight * ((layers - moe_layers) * dense + moe_layers * moe))
-    k = min(cfg.recompute_num_layers, layers) if layers else 0
-    blocks = -(-layers // k) if k else 0
-    return int(in_flight * blocks * s * b * h * elem + k * max(dense, moe))
+def stage_activations(cfg: TransformerConfig, mesh: Mesh, layout: ActivationLayout, stage: StageModel,
+                      micro_batch: int, recompute: str | None, device: str) -> ActivationMemory:
+    """The activations of one rank of pipeline stage ``stage`` (activations.py) under the request's layout."""
+    setup = ActivationSetup(seq_length=cfg.seq_length, micro_batch=micro_batch, tp=mesh.tp,
+                            sequence_parallel=layout.sequence_parallel, cp=mesh.cp, cp_comm_type=layout.cp_comm_type,
+                            pp=mesh.pp, stage=stage.stage, virtual_stages=layout.virtual_stages(stage.num_layers),
+                            recompute=recompute,
+                            offloaded_layers=layout.offloaded_layers, device=device)
+    return activation_memory(cfg, setup, stage.num_layers, stage.moe_layers)
 
 
 def non_state(cfg: TransformerConfig, mesh: Mesh, stage: StageModel, plans: list[ChunkPlan], *,
-              micro_batch: int, recompute: bool, arena: int, cpu: bool, overhead: RuntimeOverhead) -> NonState:
+              micro_batch: int, recompute: bool, arena: int, cpu: bool, overhead: RuntimeOverhead,
+              layout: ActivationLayout) -> NonState:
     """One pipeline stage's memory besides its states: ``arena`` elements of gathered parameters
     (max_contigous_params_size, allocated whole at start-up), reduce buffers, activations and logits of
-    ``micro_batch``, and ``overhead``; ``cpu``: the device tier is host memory (glibc's heap term applies)."""
+    ``micro_batch`` (``recompute``: full, else the layout's granularity), and ``overhead``; ``cpu``: the device
+    tier is host memory (glibc's heap term applies)."""
     elem = cfg.params_dtype.itemsize
     largest = max((c.padded for c in plans), default=0)
     gathered = arena * elem
     # max_param_reduce_events reductions in flight, one chunk accumulating, one parameter's gradient.
     reduce = min(sum(c.padded for c in plans), 3 * largest) * elem
-    in_flight = mesh.pp - stage.stage
-    acts = {rc: activation_bytes(cfg, micro_batch, mesh.tp, stage.num_layers, in_flight, rc, stage.moe_layers)
-            for rc in (False, True)}
-    if cpu:
-        acts[True] += int(CPU_HEAP_PER_RECOMPUTED_LAYER * in_flight * stage.num_layers * cfg.seq_length * micro_batch
-                          * cfg.hidden_size * elem)
-    last = stage.stage == mesh.pp - 1
-    # The loss (megatron/core/tensor_parallel/cross_entropy.py) holds the logits, their fp32 copy shifted by
-    # the max and its exp at once: 12 bytes per logit in fp32 (one copy is the logits), 14 in 16-bit.
-    per_logit = 12 if elem == 4 else 12 + elem
-    logits = cfg.seq_length * micro_batch * (cfg.padded_vocab_size // mesh.tp) * per_logit if last else 0
-    return NonState(gathered, reduce, acts[recompute], acts[False], acts[True], logits, overhead.device,
-                    overhead.host)
+    device = "cpu" if cpu else "cuda"
+    mem = {rc: stage_activations(cfg, mesh, layout, stage, micro_batch, "full" if rc else layout.granularity,
+                                 device) for rc in (False, True)}
+    # Beyond the logits' peak, which the report shows on its own.
+    acts = {rc: m.saved + max(0, m.working - m.logits) for rc, m in mem.items()}
+    local = cfg.seq_length // mesh.cp * micro_batch * cfg.hidden_size * elem // layout.seq_split(mesh.tp)
+    if cpu and local < START_UP_MMAP_THRESHOLD:  # a layer input; from the threshold on, mapped on its own
+        in_flight = mesh.pp - stage.stage
+        acts[True] += int(CPU_HEAP_PER_RECOMPUTED_LAYER * in_flight * stage.num_layers * local)
+    return NonState(gathered, reduce, acts[recompute], acts[False], acts[True], mem[recompute].logits,
+                    overhead.device, overhead.host, mem[recompute].host)

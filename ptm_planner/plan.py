@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron.core.transformer_config import TransformerConfig
+from ptm_planner.activations import ActivationLayout
 from ptm_planner.non_state import CPU_OVERHEAD, CUDA_OVERHEAD, GiB, NonState, RuntimeOverhead, non_state
 from ptm_planner.stages import EXPERT_GROUP, Mesh, StageModel, build_stage, representative_stages
 from ptm_planner.step_time import Speeds, StepBreakdown, StepWork, balanced_rate, predict
@@ -76,6 +77,7 @@ class Request:
     size_name: str | None = None
     speeds: Speeds | None = None  # with an accelerator: the step prediction and the balanced rate (step_time.py)
     accumulation_steps: int = 1  # micro-batches per step, for the step prediction
+    layout: ActivationLayout = ActivationLayout()  # sequence/context parallelism, interleaving, recompute, offload
 
     @property
     def dtype(self) -> torch.dtype:
@@ -84,6 +86,11 @@ class Request:
     @property
     def recompute_forced(self) -> bool:
         return self.model.recompute_granularity == "full"
+
+    @property
+    def recompute_allowed(self) -> bool:
+        """Full recompute, unless activations are offloaded (the trainer takes one or the other)."""
+        return not self.layout.offloaded_layers
 
 
 # ---- the zero_cache config ---------------------------------------------------------------------------
@@ -209,7 +216,7 @@ class StagePlan:
         """Bytes this rank needs per tier: states, and the non-state memory of the tier it lives in."""
         st = self.states.by_tier
         return {DEVICE: st[DEVICE] + self.nonstate.device_side,
-                HOST: st[HOST] + self.states.staging + self.nonstate.overhead_host,
+                HOST: st[HOST] + self.states.staging + self.nonstate.host_side,
                 NVME: self.states.nvme_disk}
 
 
@@ -235,8 +242,9 @@ class Planner:
         self.request = request
         self.device = torch.device(request.hardware.device)
         self.cpu = request.hardware.device == "cpu"
-        self.stages = [build_stage(request.model, request.mesh, s)
-                       for s in representative_stages(request.model, request.mesh.pp)]
+        v = request.layout.virtual_stages(request.model.num_layers // request.mesh.pp)
+        self.stages = [build_stage(request.model, request.mesh, s, v)
+                       for s in representative_stages(request.model, request.mesh.pp, v)]
         # Page sizes, largest first: one transformer layer per chunk, else one matrix (least gathered memory).
         self.pages = sorted({max(s.layer_weights for s in self.stages), max(s.layer_matrix for s in self.stages)},
                             reverse=True)
@@ -249,7 +257,7 @@ class Planner:
         """Every stage's chunks, packed by the engine's own code."""
         if page not in self._plans:
             mesh = self.request.mesh
-            self._plans[page] = [plan_chunks(s.named, s.group_of, stage=3, page_numel=page, dp_size=mesh.dp,
+            self._plans[page] = [plan_chunks(s.named, s.group_of, stage=3, page_numel=page, dp_size=mesh.shard_dp,
                                              persistence_threshold=persistence_threshold(self.request.model),
                                              isolated=s.isolated, group_dp_sizes=mesh.group_dp_sizes())
                                  for s in self.stages]
@@ -271,7 +279,7 @@ class Planner:
         r = self.request
         return non_state(r.model, r.mesh, stage, plans, micro_batch=option.micro_batch_size,
                          recompute=option.recompute, arena=self.arena(option), cpu=self.cpu,
-                         overhead=r.hardware.overhead)
+                         overhead=r.hardware.overhead, layout=r.layout)
 
     def keep_choices(self) -> tuple[bool, ...]:
         """keep_gathered, fastest first: on an accelerator the gathered parameters stay for the backward when
@@ -304,7 +312,7 @@ class Planner:
 
     def parse(self, option: Option, budgets: dict[str, int] | None) -> tuple[dict, ZeroCacheConfig]:
         raw = ds_config(self.request, option, self.arena(option), budgets)
-        return raw, parse_config(raw, self.request.mesh.dp)
+        return raw, parse_config(raw, self.request.mesh.shard_dp)
 
     def evaluate(self, option: Option, *, ignore_capacity: bool = False) -> Evaluation:
         key = (option, ignore_capacity)
@@ -331,7 +339,7 @@ class Planner:
                                      for p, sg in zip(plans, sgs)]
         accounts = self._unbudgeted[key]
         dev_states = max(a.by_tier[DEVICE] for a in accounts)
-        host_overhead = max(ns.overhead_host for ns in nonstate)
+        host_overhead = max(ns.host_side for ns in nonstate)  # the runtime, and offloaded activations
         if self.cpu:  # one pool of host memory holds both tiers and everything else
             ram_left = cap["ram"] - max(ns.device_side for ns in nonstate) - host_overhead
             budgets = {DEVICE: ram_left, HOST: ram_left - dev_states, NVME: cap[NVME]}
@@ -380,7 +388,8 @@ class Planner:
             return (f"host memory: the states that must stay on the host exceed the {format_bytes(budget)} per "
                     f"process left of {format_bytes(room)} {of}, even with every optimizer sub-group and gradient "
                     f"shard the engine can move on SSD")
-        before = "activations, gathered parameters, buffers and device-tier states" if self.cpu else "the runtime"
+        before = "activations, gathered parameters, buffers and device-tier states" if self.cpu else \
+            "the runtime and offloaded activations" if self.request.layout.offloaded_layers else "the runtime"
         return (f"host memory: {before} take {format_bytes(room - budget)} per process before any model state, "
                 f"more than the {format_bytes(room)} a process gets {of}")
 
@@ -413,9 +422,10 @@ class Planner:
         elems = {t: sum(p.shard for p in plans if tiers[p.index] == t) for t in TIERS}
         resident_away = sum(p.shard for p in plans if p.resident and tiers[p.index] != DEVICE)
         cfg = self.request.model
-        # 6 x the parameters a token computes with (of an MoE layer: its top-k experts) x tokens.
-        flops = 6 * self.stages[i].active_numel * ev.option.micro_batch_size * cfg.seq_length * steps * (
-            4 / 3 if ev.option.recompute else 1)
+        # 6 x the parameters a token computes with (of an MoE layer: its top-k experts) x the rank's tokens (1/CP of
+        # each sequence). Attention's own FLOPs are not counted.
+        tokens = ev.option.micro_batch_size * cfg.seq_length // self.request.mesh.cp
+        flops = 6 * self.stages[i].active_numel * tokens * steps * (4 / 3 if ev.option.recompute else 1)
         # Host-updated parameters go back to the device unless the parameter shards live on the host anyway
         # (offload_param, then only resident chunks are written back).
         writeback = (elems[HOST] + elems[NVME] if away("params") == 0 else resident_away) * elem
@@ -465,10 +475,13 @@ class Planner:
         mb = self.request.micro_batch_size
         out = [] if self.request.recompute_forced else [(mb, False)]
         while True:
-            out.append((mb, True))
+            if self.request.recompute_allowed:
+                out.append((mb, True))
             if mb == 1:
                 return out
             mb = max(1, mb // 2)
+            if not self.request.recompute_allowed:
+                out.append((mb, False))
 
     def search(self) -> Evaluation:
         """The first option that fits, fastest first (offload, then page, activations, sub-group size);
@@ -477,7 +490,7 @@ class Planner:
             for page in self.pages:
                 sizes = self.sub_group_sizes(page, offload)
                 sizes = sizes[:1] if offload == "none" else sizes
-                if not self.best_rate(Option(offload, page, 1, True, sizes[-1])).fits:
+                if not self.best_rate(Option(offload, page, 1, self.request.recompute_allowed, sizes[-1])).fits:
                     continue  # not even the leanest activations fit
                 for mb, rc in self.activation_options():
                     for size in sizes:
@@ -489,10 +502,10 @@ class Planner:
 
     def leanest(self) -> Option:
         """Least memory per process: states on SSD (if allowed), smallest pages and sub-groups, micro-batch 1,
-        recompute."""
+        full recompute (unless activations are offloaded)."""
         offload = "nvme" if "nvme" in self.request.offloads else self.request.offloads[-1]
         page = self.pages[-1]
-        return Option(offload, page, 1, True, self.sub_group_sizes(page)[-1])
+        return Option(offload, page, 1, self.request.recompute_allowed, self.sub_group_sizes(page)[-1])
 
     def feasible(self) -> bool:
         """Whether any allowed offload fits with the leanest pages and activations (on a CPU machine the
@@ -544,6 +557,12 @@ class Planner:
 # ---- requests of the same family (ptm_planner.family) ------------------------------------------------
 def with_layers(request: Request, layers: int) -> Request:
     return dataclasses.replace(request, model=dataclasses.replace(request.model, num_layers=layers))
+
+
+def with_seq(request: Request, seq_length: int) -> Request:
+    """The request at another sequence length (learned positions: as many position embeddings)."""
+    return dataclasses.replace(request, model=dataclasses.replace(request.model, seq_length=seq_length,
+                                                                  max_position_embeddings=seq_length))
 
 
 def with_experts(request: Request, experts: int) -> Request:

@@ -7,6 +7,7 @@ exists, so it uses the standard library only):
     python3 -m ptm_planner.sizes row 1.3b      # "layers hidden heads ffn micro-batch" of one size
     python3 -m ptm_planner.sizes moe-args moe-8x1.3b   # the mixture-of-experts flags of a size (empty if dense)
     python3 -m ptm_planner.sizes seq-length    # the default sequence length of start.sh and the planner
+    python3 -m ptm_planner.sizes seq-length 1.3b-32k   # a size's own sequence length (long-context sizes)
 """
 from __future__ import annotations
 
@@ -31,6 +32,13 @@ class ModelSize:
     router_topk: int = 2
     moe_ffn_hidden_size: int | None = None
     shared_expert_intermediate_size: int | None = None
+    # Long-context sizes train at their own length, with rotary positions and no attention dropout (which ring
+    # attention, the default context-parallel kind, does not take).
+    seq_length: int = DEFAULT_SEQ_LENGTH
+
+    @property
+    def is_long_context(self) -> bool:
+        return self.seq_length > DEFAULT_SEQ_LENGTH
 
     @property
     def is_moe(self) -> bool:
@@ -49,15 +57,18 @@ class ModelSize:
 
     def megatron_args(self) -> list[str]:
         """The Megatron-LM model-shape flags of this size (with its mixture-of-experts flags)."""
+        long = (["--seq-length", str(self.seq_length), "--position-embedding-type", "rope", "--attention-dropout", "0"]
+                if self.is_long_context else [])
         return ["--num-layers", str(self.num_layers), "--hidden-size", str(self.hidden_size),
                 "--num-attention-heads", str(self.num_attention_heads), "--ffn-hidden-size", str(self.ffn_hidden_size),
-                *self.moe_args()]
+                *self.moe_args(), *long]
 
 
 # GPT-3 paper shapes (125m .. 13b), the AngelPTM headline models (28 and 55 billion parameters) and mixtures of
 # experts: moe-tiny (4 experts, trains on a CPU), moe-8x1.3b (1.3b with 8 copies of its MLP as experts, top-2:
 # 6.9B parameters, 2.1B active) and moe-64e (64 fine-grained experts, top-6, and a shared expert, after
-# DeepSeekMoE 16B: 11.2B parameters, 1.9B active).
+# DeepSeekMoE 16B: 11.2B parameters, 1.9B active); and 1.3b-32k, the 1.3b at 32K tokens per sequence (split it over
+# ranks with CP=, see docs/parallelism.md).
 SIZES: tuple[ModelSize, ...] = (
     ModelSize("default", 6, 256, 8, 1024, 4),
     ModelSize("125m", 12, 768, 12, 3072, 8),
@@ -73,6 +84,7 @@ SIZES: tuple[ModelSize, ...] = (
     ModelSize("moe-8x1.3b", 24, 2048, 16, 8192, 4, num_experts=8, router_topk=2),
     ModelSize("moe-64e", 28, 2048, 16, 8192, 2, num_experts=64, router_topk=6, moe_ffn_hidden_size=1408,
               shared_expert_intermediate_size=2816),
+    ModelSize("1.3b-32k", 24, 2048, 16, 8192, 1, seq_length=32768),
 )
 
 
@@ -85,13 +97,15 @@ def get_size(name: str) -> ModelSize:
 
 def table() -> str:
     lines = ["sizes (layers hidden heads ffn micro-batch; mixtures of experts also: experts top-k expert-ffn "
-             "shared-expert-ffn):"]
+             "shared-expert-ffn; long-context sizes: their sequence length):"]
     for s in SIZES:
         row = (f"  {s.name:<10} {s.num_layers:<4} {s.hidden_size:<5} {s.num_attention_heads:<5} "
                f"{s.ffn_hidden_size:<6} {s.micro_batch_size}")
         if s.is_moe:
             row += (f"{'':<4} {s.num_experts:<4} {s.router_topk:<3} {s.moe_ffn_hidden_size or s.ffn_hidden_size:<6} "
                     f"{s.shared_expert_intermediate_size or '-'}")
+        if s.is_long_context:
+            row += f"{'':<4} seq {s.seq_length}"
         lines.append(row)
     return "\n".join(lines)
 
@@ -103,6 +117,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv == ["seq-length"]:
         print(DEFAULT_SEQ_LENGTH)
+        return 0
+    if len(argv) == 2 and argv[0] == "seq-length":
+        try:
+            print(get_size(argv[1]).seq_length)
+        except ValueError as e:
+            print(e, file=sys.stderr)
+            return 2
         return 0
     if len(argv) == 2 and argv[0] == "row":
         try:
@@ -120,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(" ".join(s.moe_args()))
         return 0
-    print("usage: python3 -m ptm_planner.sizes list | row SIZE | moe-args SIZE | seq-length", file=sys.stderr)
+    print("usage: python3 -m ptm_planner.sizes list | row SIZE | moe-args SIZE | seq-length [SIZE]", file=sys.stderr)
     return 2
 
 

@@ -33,6 +33,7 @@ class Mesh:
     tp: int
     pp: int
     ep: int = 1  # expert-parallel size: splits the experts inside each data-parallel group
+    cp: int = 1  # context-parallel size: ranks that split every sequence (same weights)
 
     @property
     def world(self) -> int:
@@ -40,17 +41,28 @@ class Mesh:
 
     @property
     def dp(self) -> int:
-        return mesh_sizes(self.world, self.tp, self.pp)
+        """Ranks that see different samples (the data loader's and the loss's data parallelism)."""
+        model_replicas = mesh_sizes(self.world, self.tp, self.pp)
+        if model_replicas % self.cp:
+            raise ValueError(f"world size {self.world} is not divisible by tensor-parallel size {self.tp} x "
+                             f"pipeline-parallel size {self.pp} x context-parallel size {self.cp}; launch a multiple "
+                             f"of {self.tp * self.pp * self.cp} processes or change the parallel sizes")
+        return model_replicas // self.cp
+
+    @property
+    def shard_dp(self) -> int:
+        """Ranks that hold the same weights, over which ZeRO shards the states: data x context parallelism."""
+        return self.dp * self.cp
 
     @property
     def expert_dp(self) -> int:
         """Ranks that hold the same experts: ZeRO shards the expert states over them."""
         check_expert_parallel_size(self.ep, self.dp)
-        return self.dp // self.ep
+        return self.shard_dp // self.ep
 
     def group_dp_sizes(self) -> list[int]:
         """Ranks each param group is sharded over (DECAY_GROUP, NO_DECAY_GROUP, EXPERT_GROUP)."""
-        return [self.dp, self.dp, self.expert_dp]
+        return [self.shard_dp, self.shard_dp, self.expert_dp]
 
 
 @dataclass
@@ -83,13 +95,14 @@ def _as_mesh_rank(mesh: Mesh, stage: int):
 
     torch's "fake" process group gives a rank of a world of any size without other processes (every
     collective is a no-op), so megatron.core.parallel_state builds the real mesh and the model layers
-    read their real tensor/pipeline ranks and sizes.
+    read their real tensor/pipeline ranks and sizes. Context-parallel ranks hold the same weights as
+    data-parallel ones, so the mesh is built with them as data parallelism (the order of ranks is the same).
     """
     if dist.is_initialized():
         raise RuntimeError("the memory planner poses as one rank of the planned mesh; run it in a process "
                            "without torch.distributed initialised (e.g. python tools/plan_memory.py)")
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
-    rank = stage * mesh.dp * mesh.tp  # Megatron's order: tp fastest, then dp, then pp
+    rank = stage * mesh.shard_dp * mesh.tp  # Megatron's order: tp fastest, then cp, dp, then pp
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=mesh.world)
     try:
         ps.initialize_model_parallel(mesh.tp, mesh.pp, expert_model_parallel_size=mesh.ep)
@@ -112,7 +125,14 @@ def _one_layer_per_stage(model_cfg: TransformerConfig, mesh: Mesh, stage: int, m
     return built, layer, shared
 
 
-def build_stage(model_cfg: TransformerConfig, mesh: Mesh, stage: int) -> StageModel:
+def stage_layer_ids(num_layers: int, pp: int, stage: int, virtual_stages: int = 1) -> list[int]:
+    """Global indices of the layers pipeline stage ``stage`` holds: one run of layers, or with the interleaved
+    schedule (``virtual_stages`` v > 1) v model chunks spread along the depth, chunk k the (k * PP + stage)-th."""
+    chunk = num_layers // (pp * virtual_stages)
+    return [(k * pp + stage) * chunk + i for k in range(virtual_stages) for i in range(chunk)]
+
+
+def build_stage(model_cfg: TransformerConfig, mesh: Mesh, stage: int, virtual_stages: int = 1) -> StageModel:
     """The stage's parameters, in the order the trainer's model registers them (fp32, as under --deepspeed).
 
     The model is built on the meta device with one transformer layer per stage (and once more with an MoE
@@ -122,7 +142,7 @@ def build_stage(model_cfg: TransformerConfig, mesh: Mesh, stage: int) -> StageMo
     built, dense, shared = _one_layer_per_stage(model_cfg, mesh, stage, moe=False)
     first = next(i for i, (n, _) in enumerate(built) if n.startswith(_LAYER))
     per_stage = model_cfg.num_layers // mesh.pp
-    is_moe = [model_cfg.is_moe_layer(stage * per_stage + j) for j in range(per_stage)]
+    is_moe = [model_cfg.is_moe_layer(i) for i in stage_layer_ids(model_cfg.num_layers, mesh.pp, stage, virtual_stages)]
     kinds = {False: dense}
     if any(is_moe):
         kinds[True] = _one_layer_per_stage(model_cfg, mesh, stage, moe=True)[1]
@@ -149,13 +169,12 @@ def build_stage(model_cfg: TransformerConfig, mesh: Mesh, stage: int) -> StageMo
                       moe_layers, expert_numel, active)
 
 
-def representative_stages(model_cfg: TransformerConfig, pp: int) -> list[int]:
+def representative_stages(model_cfg: TransformerConfig, pp: int, virtual_stages: int = 1) -> list[int]:
     """Pipeline stages with distinct parameter sets: the first, the last, and of the middle stages one per
     pattern of MoE and dense layers (one for a dense model)."""
-    per_stage = model_cfg.num_layers // pp
     out, patterns = {0, pp - 1}, set()
     for stage in range(1, pp - 1):
-        pattern = tuple(model_cfg.is_moe_layer(stage * per_stage + j) for j in range(per_stage))
+        pattern = tuple(map(model_cfg.is_moe_layer, stage_layer_ids(model_cfg.num_layers, pp, stage, virtual_stages)))
         if pattern not in patterns:
             patterns.add(pattern)
             out.add(stage)

@@ -53,3 +53,24 @@ def _processes_need_the_mark(request, monkeypatch):
 def pytest_collection_modifyitems(items):
     first = {path: i for i, path in enumerate(SLOWEST_FILES)}
     items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))  # stable: file order kept
+
+
+@pytest.fixture(scope="module")
+def single_rank():
+    """A one-rank gloo group (and a TP = PP = 1 mesh) in the test process, for checks that need the mesh but not
+    several ranks."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state as ps
+    from tests.dist_utils import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    ps.initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -124,6 +125,13 @@ def first_error(out_dir: str, log_path: str, rc: int) -> str:
             return f"exit code {rc}: {hits[0]}"
     errors = [ln for ln in lines if "Error" in ln or "error:" in ln]
     return errors[-1] if errors else f"exit code {rc}"
+
+
+def write_error(out_dir: str, rank: str, e: BaseException) -> None:
+    """A worker rank's failure where ``first_error`` finds it: the exception's first line, then the traceback."""
+    with open(os.path.join(out_dir, f"error_rank{rank}.txt"), "w", encoding="utf-8") as f:
+        f.write(f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__)
+        f.write("\n" + traceback.format_exc())
 
 
 def fresh_job_dir(out_dir: str) -> None:

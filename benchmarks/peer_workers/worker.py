@@ -11,9 +11,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import traceback
 
-from .harness import BenchSpec, PeakRss, build_model, run
+from .harness import BenchSpec, PeakRss, build_model, run, write_error
 
 # --impl -> (module, trainer class); modules are imported lazily: DeepSpeed exists only in the peers' venv.
 IMPLS = {
@@ -43,9 +42,7 @@ def main() -> None:
         run(BenchSpec.load(a.spec), a.system, lambda model, spec, gas: trainer_cls(model, spec, gas, a.offload),
             a.out_dir, rss, build=(lambda spec: build(spec, a.offload)) if build else build_model)
     except BaseException as e:
-        with open(os.path.join(a.out_dir, f"error_rank{rank}.txt"), "w", encoding="utf-8") as f:
-            f.write(f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__)
-            f.write("\n" + traceback.format_exc())
+        write_error(a.out_dir, rank, e)
         raise
 
 

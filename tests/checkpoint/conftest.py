@@ -1,24 +1,8 @@
-"""A one-rank gloo group in the test process, for checks that need the mesh but not several ranks."""
-import datetime
-
+"""Checkpoints saved once per session by several ranks, shared by the checkpoint tests."""
 import pytest
-import torch.distributed as dist
 
-from megatron.core import parallel_state as ps
 from tests.checkpoint.common import MESHES, save_worker, unpack
-from tests.dist_utils import free_port, run_distributed
-
-
-@pytest.fixture(scope="module")
-def single_rank():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60))
-    ps.initialize_model_parallel(1, 1)
-    try:
-        yield
-    finally:
-        ps.destroy_model_parallel()
-        dist.destroy_process_group()
+from tests.dist_utils import run_distributed
 
 
 @pytest.fixture(scope="session")

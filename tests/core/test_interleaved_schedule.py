@@ -8,13 +8,9 @@ the one its consumer needs (the right virtual stage and micro-batch), and the (c
 """
 from __future__ import annotations
 
-import datetime
-
 import pytest
 import torch
-import torch.distributed as dist
 
-from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel.interleaved import InterleavedSchedule
 from megatron.core.pipeline_parallel.model_chunks import ModelChunks, chunk_of, named_chunks
 from megatron.core.pipeline_parallel.schedules import _ReplayedMicroBatches
@@ -23,7 +19,6 @@ from megatron.model.gpt_model import GPTModel
 from megatron.training.arguments import parse_args
 from megatron.training.checkpoint.layout import model_layout
 from megatron.training.config import ConfigError
-from tests.dist_utils import free_port
 from tests.training.parallel_harness import TINY_GPT
 
 Event = tuple[str, int, int]  # ("F" | "B", chunk, micro-batch)
@@ -165,19 +160,7 @@ def test_each_chunk_replays_the_step_micro_batches():
     assert _ReplayedMicroBatches(None, 2).reader() is None
 
 
-@pytest.fixture
-def one_rank():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60))
-    ps.initialize_model_parallel(1, 1)
-    try:
-        yield
-    finally:
-        ps.destroy_model_parallel()
-        dist.destroy_process_group()
-
-
-def test_model_chunks_run_the_model_in_pieces(one_rank):
+def test_model_chunks_run_the_model_in_pieces(single_rank):
     """On one stage, chunk 0 then chunk 1 (layers 0-1, 2-3) compute what the whole model does; names and the
     checkpoint layout map the chunks' parameters to the whole model's."""
     cfg = TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=8, padded_vocab_size=64,

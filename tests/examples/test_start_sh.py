@@ -123,7 +123,7 @@ def test_moe_size_plans_and_passes_the_experts_to_the_trainer(tmp_path):
                      r"ffn 1024, 4 experts top-2 of ffn 512,", plan, re.M), plan
     assert "4 experts per MoE layer, 2 on each rank (EP 2), their states sharded over 2 rank(s) (DP 4 / EP 2)" in plan
     assert re.search(r"^\[start.sh\] size=moe-tiny .*moe: --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size "
-                     r"512 --moe-aux-loss-coeff 1e-2 nproc=4 TP=1 PP=1 EP=2 DP=4", proc.stdout, re.M), proc.stdout
+                     r"512 --moe-aux-loss-coeff 1e-2 nproc=4 TP=1 PP=1 EP=2 CP=1 DP=4", proc.stdout, re.M), proc.stdout
     words = Path(env["LAUNCHED"]).read_text().splitlines()
     assert words[:3] == ["--num_gpus", "4", "pretrain_gpt.py"]
     args = words[3:]
@@ -134,6 +134,23 @@ def test_moe_size_plans_and_passes_the_experts_to_the_trainer(tmp_path):
     assert cfg.parallel.expert_model_parallel_size == 2
     moe = cfg.model.moe
     assert (moe.num_experts, moe.router_topk, moe.ffn_hidden_size) == (4, 2, 512)
+
+
+def test_long_context_size_splits_its_sequences_over_cp_ranks(tmp_path):
+    """start.sh 1.3b-32k with CP=2 (its sequence shortened by SEQ_LEN to plan on this machine): the planner plans
+    the context-parallel layout, and the trainer gets RoPE, no attention dropout and the CP flags."""
+    from megatron.training.arguments import parse_args
+
+    env = _recording_venv(tmp_path)
+    proc = _run("1.3b-32k", env={**env, "CP": "2", "SEQ_LEN": "4096", "TRAIN_ITERS": "3"}, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"^\[start.sh\] size=1.3b-32k .* TP=1 PP=1 EP=1 CP=2 DP=1 .*seq=4096", proc.stdout, re.M), \
+        proc.stdout
+    args = Path(env["LAUNCHED"]).read_text().splitlines()[3:]
+    assert [_flag(args, f) for f in ("--context-parallel-size", "--seq-length", "--position-embedding-type",
+                                     "--attention-dropout")] == ["2", "4096", "rope", "0"]
+    cfg = parse_args(args, world_size=2)
+    assert (cfg.parallel.context_parallel_size, cfg.parallel.data_parallel_size) == (2, 1)
 
 
 def test_expert_parallelism_of_a_dense_size_is_refused_by_the_plan(tmp_path):
