@@ -118,28 +118,20 @@ def main(argv: list[str] | None = None) -> int:
     if argv == ["seq-length"]:
         print(DEFAULT_SEQ_LENGTH)
         return 0
-    if len(argv) == 2 and argv[0] == "seq-length":
+    # One size's fields, each as start.sh reads them.
+    fields = {
+        "row": lambda s: f"{s.num_layers} {s.hidden_size} {s.num_attention_heads} {s.ffn_hidden_size} "
+                         f"{s.micro_batch_size}",
+        "moe-args": lambda s: " ".join(s.moe_args()),
+        "seq-length": lambda s: str(s.seq_length),
+    }
+    if len(argv) == 2 and argv[0] in fields:
         try:
-            print(get_size(argv[1]).seq_length)
+            size = get_size(argv[1])
         except ValueError as e:
             print(e, file=sys.stderr)
             return 2
-        return 0
-    if len(argv) == 2 and argv[0] == "row":
-        try:
-            s = get_size(argv[1])
-        except ValueError as e:
-            print(e, file=sys.stderr)
-            return 2
-        print(s.num_layers, s.hidden_size, s.num_attention_heads, s.ffn_hidden_size, s.micro_batch_size)
-        return 0
-    if len(argv) == 2 and argv[0] == "moe-args":
-        try:
-            s = get_size(argv[1])
-        except ValueError as e:
-            print(e, file=sys.stderr)
-            return 2
-        print(" ".join(s.moe_args()))
+        print(fields[argv[0]](size))
         return 0
     print("usage: python3 -m ptm_planner.sizes list | row SIZE | moe-args SIZE | seq-length [SIZE]", file=sys.stderr)
     return 2
