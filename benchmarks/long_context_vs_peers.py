@@ -24,18 +24,18 @@ Every job trains the trainer's ``--mock-data`` samples (NullTokenizer, --vocab i
 padded as the trainer pads it) from the same seeded weights with the same AdamW, clipping and micro-batch, so
 the losses of rows that see the same global batch agree (they are compared with --loss-rtol).
 
-Longest sequence: for each configuration, trials of one training step (forward, backward, optimizer update) of one
-micro-batch per data-parallel rank, each a fresh torchrun job, the sequence doubled from --min-seq up to
---max-seq, then bisected between the longest that fit and the shortest that did not, to --granularity tokens. The
-peak RSS grows linearly with the sequence (SDPA keeps no s x s matrix), so the two longest trials that fit predict
-the longest for the budget: a doubling that would pass that prediction tries one --granularity past it instead,
-and a bisection probe is the prediction when it falls inside the bracket, else the midpoint; on a linear peak the
-search ends one or two trials after the doubling, and every verdict is a trial's. A trial fits when the step
-completes and the peak RSS of its largest rank is within --budget-gib. Peak RSS is each rank's kernel high-water
-mark (VmHWM in /proc/<pid>/status, sampled every 0.1 s; the workers' own ru_maxrss folded in), the same measure
-for every system; a trial whose rank passes the budget is stopped there. The machine is shared: a job is also
-stopped when the machine's available memory falls under --guard-gib (that trial is marked, its row's figure is
-then a lower bound: rerun it).
+Longest sequence: for each configuration, trials of --trial-steps training steps (forward, backward, optimizer
+update; 2 by default: some systems allocate more in their second step) of one micro-batch per data-parallel rank,
+each a fresh torchrun job, the sequence doubled from --min-seq up to --max-seq, then bisected between the longest
+that fit and the shortest that did not, to --granularity tokens. The peak RSS grows linearly with the sequence (SDPA
+keeps no s x s matrix), so the two longest trials that fit predict the longest for the budget: a doubling that would
+pass that prediction tries one --granularity past it instead, and a bisection probe is the prediction when it falls
+inside the bracket, else the midpoint; on a linear peak the search ends one or two trials after the doubling, and
+every verdict is a trial's. A trial fits when its steps complete and the peak RSS of its largest rank is within
+--budget-gib. Peak RSS is each rank's kernel high-water mark (VmHWM in /proc/<pid>/status, sampled every 0.1 s; the
+workers' own ru_maxrss folded in), the same measure for every system; a trial whose rank passes the budget is
+stopped there. The machine is shared: a job is also stopped when the machine's available memory falls under
+--guard-gib (that trial is marked, its row's figure is then a lower bound: rerun it).
 
 tokens/s: at the common sequence --seq (0: the longest every context-parallel row and DeepSpeed-Ulysses trained),
 a job of --warmup + --steps steps, each of --global-batch sequences (default 0: one micro-batch per data-parallel
@@ -133,7 +133,7 @@ DEFAULT_SYSTEMS = ["ours-dp", "ours-cp-p2p", "ours-cp-a2a", "deepspeed-ulysses",
 
 @dataclass
 class Job:
-    """One torchrun job: a longest-sequence trial (one step) or a tokens/s run."""
+    """One torchrun job: a longest-sequence trial (--trial-steps steps) or a tokens/s run."""
     system: str
     seq: int
     status: str  # ok | over (budget) | unavailable (flag refused) | failed | timeout | guard (machine memory low)
@@ -194,6 +194,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-seq", type=int, default=1024, help="the longest-sequence search's first trial")
     p.add_argument("--max-seq", type=int, default=32768, help="the longest sequence the search tries")
     p.add_argument("--granularity", type=int, default=1024, help="the bisection's resolution in tokens")
+    p.add_argument("--trial-steps", type=int, default=2,
+                   help="training steps per longest-sequence trial (the peak of a step after the first counts too: "
+                        "some systems allocate more in their second)")
     p.add_argument("--guard-gib", type=float, default=1.5,
                    help="stop a job when the machine's available memory falls under this (the machine is shared)")
     p.add_argument("--skip-search", action="store_true",
@@ -220,6 +223,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--skip-search needs a common sequence: --seq N")
     if a.skip_search and a.skip_throughput:
         p.error("--skip-search with --skip-throughput leaves nothing to run")
+    if a.trial_steps < 1:
+        p.error(f"--trial-steps {a.trial_steps} must be >= 1")
     return a
 
 
@@ -234,13 +239,13 @@ def global_batch(a: argparse.Namespace, system: System) -> int:
 
 
 def make_spec(a: argparse.Namespace, system: System, seq: int, trial: bool) -> BenchSpec:
-    """A job's spec. A trial: one step of one micro-batch per data-parallel rank; a tokens/s run: the global batch
-    and steps of the flags."""
+    """A job's spec. A trial: --trial-steps steps of one micro-batch per data-parallel rank; a tokens/s run: the
+    global batch and steps of the flags."""
     layers, hidden, heads, vocab = shape(a)
     dp = a.nproc // a.cp if system.cp else a.nproc
     return BenchSpec(layers=layers, hidden=hidden, heads=heads, vocab=padded_vocab_size(vocab + 1, 128, 1), seq=seq,
                      micro_batch=a.micro_batch, global_batch=a.micro_batch * dp if trial else global_batch(a, system),
-                     steps=1 if trial else a.steps, warmup=0 if trial else a.warmup, lr=a.lr,
+                     steps=a.trial_steps if trial else a.steps, warmup=0 if trial else a.warmup, lr=a.lr,
                      weight_decay=a.weight_decay, clip_grad=a.clip_grad, seed=a.seed, page_size=a.page_size,
                      threads=a.threads, recompute=system.recompute == "full", mock_data_vocab=vocab)
 
@@ -611,9 +616,9 @@ def header(a: argparse.Namespace) -> list[str]:
                                               if a.global_batch else "one micro-batch per data-parallel rank")
         + f", {a.warmup} warm-up + {a.steps} timed steps, median step; {a.repeat} round(s)"]
     search = [] if a.skip_search else [
-        f"longest: per-rank budget {a.budget_gib:g} GiB of peak RSS (VmHWM of every rank), one step of one "
-        f"micro-batch per data-parallel rank per trial, doubling from {a.min_seq} to at most {a.max_seq}, then "
-        f"bisection to {a.granularity} tokens"]
+        f"longest: per-rank budget {a.budget_gib:g} GiB of peak RSS (VmHWM of every rank), {a.trial_steps} step(s) "
+        f"of one micro-batch per data-parallel rank per trial, doubling from {a.min_seq} to at most {a.max_seq}, "
+        f"then bisection to {a.granularity} tokens"]
     return [
         f"GPT {cfg.num_parameters() / 1e6:.1f}M params ({layers} layers, hidden {hidden}, {heads} heads, RoPE, vocab "
         f"{model_vocab} = {vocab} + eod padded, tied embeddings, GeLU MLP 4h, LayerNorm), fp32, gloo, {a.nproc} ranks, "
