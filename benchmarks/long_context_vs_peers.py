@@ -58,7 +58,6 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -67,7 +66,6 @@ import time
 from dataclasses import dataclass, field
 
 import psutil
-import torch
 
 from benchmarks.peer_workers.harness import (
     BETAS,
@@ -81,7 +79,7 @@ from benchmarks.peer_workers.harness import (
     mock_trainer_flags,
     worker_env,
 )
-from benchmarks.zero3_vs_peers import add_report_args, add_run_args, check_run_args, peers_versions, write_table
+from benchmarks.zero3_vs_peers import add_report_args, add_run_args, check_run_args, machine_line, write_table
 from megatron.training.config import padded_vocab_size
 
 GIB = 2**30
@@ -607,7 +605,6 @@ def header(a: argparse.Namespace) -> list[str]:
     cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                             seq_length=max(a.seq, a.max_seq), padded_vocab_size=model_vocab,
                             position_embedding_type="rope")
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
     dp = a.nproc // a.cp
     seq = f"seq {a.seq}" if a.seq else "the shortest longest sequence of the CP rows and DeepSpeed-Ulysses"
     tokens = [] if a.skip_throughput else [
@@ -626,9 +623,7 @@ def header(a: argparse.Namespace) -> list[str]:
         f"{a.page_size:.3g} elements); AdamW lr {a.lr}, wd {a.weight_decay}, clip {a.clip_grad}; trainer mock data",
         *search,
         *tokens,
-        f"{datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}; {platform.node()}: {os.cpu_count()} cores, "
-        f"{mem:.1f} GiB RAM, {a.threads} thread(s)/rank, load average at start {os.getloadavg()[0]:.1f}; torch "
-        f"{torch.__version__}; {peers_versions(a.peers_python)}",
+        machine_line(a.threads, a.peers_python),
     ]
 
 

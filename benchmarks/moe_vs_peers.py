@@ -37,12 +37,9 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass
-
-import torch
 
 from benchmarks.peer_workers.harness import LOGS_DIR, BenchSpec, model_config
 from benchmarks.zero3_vs_peers import (
@@ -50,7 +47,7 @@ from benchmarks.zero3_vs_peers import (
     add_report_args,
     add_run_args,
     check_run_args,
-    peers_versions,
+    machine_line,
     run_system,
     tokens_per_s,
     write_table,
@@ -228,7 +225,6 @@ def per_step(rows: list[Row]) -> list[str]:
 def header(specs: dict[str, BenchSpec], a: argparse.Namespace) -> list[str]:
     moe = specs["moe"]
     cfg = model_config(moe)
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return [
         f"MoE GPT {cfg.num_parameters() / 1e6:.1f}M params, {cfg.num_parameters(active=True) / 1e6:.1f}M active "
         f"({moe.layers} layers, hidden {moe.hidden}, {moe.heads} heads, vocab {moe.vocab}, tied embeddings, LayerNorm, "
@@ -241,9 +237,7 @@ def header(specs: dict[str, BenchSpec], a: argparse.Namespace) -> list[str]:
         f"fp32, gloo; {moe.warmup} warm-up + "
         f"{moe.steps} timed steps; AdamW lr {moe.lr}, wd {moe.weight_decay}, clip {moe.clip_grad}; zero_cache page "
         f"{moe.page_size:.3g} elements; {a.repeat} round(s)",
-        f"{datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}; {platform.node()}: {os.cpu_count()} cores, "
-        f"{mem:.1f} GiB RAM, {moe.threads} thread(s)/rank, load average at start {os.getloadavg()[0]:.1f}; torch "
-        f"{torch.__version__}; {peers_versions(a.peers_python)}",
+        machine_line(moe.threads, a.peers_python),
     ]
 
 

@@ -274,21 +274,26 @@ def peers_versions(python: str) -> str:
         return f"deepspeed: not found ({python})"
 
 
+def machine_line(threads: int, peers_python: str) -> str:
+    """The report's line on when and where it ran: date, host, cores, RAM, threads per rank, load, versions."""
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (f"{datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}; {platform.node()}: {os.cpu_count()} cores, "
+            f"{mem:.1f} GiB RAM, {threads} thread(s)/rank, load average at start {os.getloadavg()[0]:.1f}; torch "
+            f"{torch.__version__}; {peers_versions(peers_python)}")
+
+
 def header(spec: BenchSpec, a: argparse.Namespace) -> list[str]:
     from megatron.core.transformer_config import TransformerConfig
 
     cfg = TransformerConfig(num_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
                             seq_length=spec.seq, padded_vocab_size=spec.vocab)
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return [
         f"GPT {cfg.num_parameters() / 1e6:.1f}M params ({spec.layers} layers, hidden {spec.hidden}, {spec.heads} "
         f"heads, vocab {spec.vocab}, tied embeddings), seq {spec.seq}, micro-batch {spec.micro_batch}, global batch "
         f"{spec.global_batch} ({a.nproc} ranks x {spec.micro_batch} x {spec.grad_accumulation(a.nproc)} accumulation)"
         f", fp32, gloo; {spec.warmup} warm-up + {spec.steps} timed steps; AdamW lr {spec.lr}, wd {spec.weight_decay}"
         f", clip {spec.clip_grad}; zero_cache page {spec.page_size:.3g} elements; {a.repeat} round(s)",
-        f"{datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}; {platform.node()}: {os.cpu_count()} cores, "
-        f"{mem:.1f} GiB RAM, {spec.threads} thread(s)/rank, load average at start "
-        f"{os.getloadavg()[0]:.1f}; torch {torch.__version__}; {peers_versions(a.peers_python)}",
+        machine_line(spec.threads, a.peers_python),
     ]
 
 

@@ -70,7 +70,7 @@ import torch
 from torch import nn
 
 from .aio import AlignedBuffer, round_up
-from .stream_interface import D2H, DONE, Event, Streams
+from .stream_interface import DONE, Event, Streams
 from .streams import CudaStreams
 
 logger = logging.getLogger(__name__)
@@ -268,8 +268,8 @@ class ActivationOffloader:
                 return t
             host = block.buffer.view(t.dtype, t.numel()).as_strided(t.shape, stride)
             source = t.detach()  # the copy must not join the graph
-            # D2H into a block the offloader owns (the interface's d2h_staged lends bounded staging buffers).
-            landed = self.streams._copy(D2H, host, source, (self.streams.compute_event(),))
+            # Into a block the offloader owns (the interface's d2h_staged lends bounded staging buffers instead).
+            landed = self.streams.d2h(host, source, (self.streams.compute_event(),))
             block.guard = landed
             saved = _Saved(self, record, source, stride, block, host, landed)
             self._pending.append(saved)

@@ -298,6 +298,13 @@ class Streams(ABC):
             self.h2d_pool.release(staging, done)
         return Transfer(done, DONE)
 
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor, after: Iterable[Event] = ()) -> Event:
+        """Copy device tensor ``src`` into the caller's pinned host tensor ``dst`` (same dtype): the copy's event.
+        The caller keeps ``src`` referenced, and reads ``dst`` only, once the event is done."""
+        if not self.pinned(dst) or dst.dtype != src.dtype:
+            raise ValueError("d2h copies into a pinned host tensor of the source's dtype; use d2h_staged otherwise")
+        return self._copy(D2H, dst, src, after)
+
     def d2h_staged(self, src: torch.Tensor, after: Iterable[Event] = ()) -> tuple[torch.Tensor, Event]:
         """Copy device tensor ``src`` into a pinned staging buffer: (the buffer, its copy's event). The caller
         keeps ``src`` referenced until the event is done and ``release``s the buffer after reading it."""
