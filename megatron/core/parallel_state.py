@@ -232,7 +232,11 @@ def get_tensor_model_parallel_rank() -> int:
 
 
 def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
-    return (_g().dp_cp_ranks if with_context_parallel else _g().dp_ranks).index(dist.get_rank())
+    return get_data_parallel_global_ranks(with_context_parallel).index(dist.get_rank())
+
+
+def get_data_parallel_global_ranks(with_context_parallel: bool = False) -> list[int]:
+    return list(_g().dp_cp_ranks if with_context_parallel else _g().dp_ranks)
 
 
 def get_pipeline_model_parallel_rank() -> int:

@@ -1,9 +1,9 @@
 """Reassemble the full (single-process) state dict of a GPTModel from a Megatron-layout checkpoint.
 
-Any TP/PP: partitioned tensors are concatenated along their partition dim in
-tensor-parallel rank order (each rank holds a contiguous chunk of the full
-tensor), replicated ones are taken from tp rank 0, and stage-local layer
-indices become global ones. The result uses the names of a GPTModel built with
+Any TP/PP, with or without interleaved model chunks: partitioned tensors are
+concatenated along their partition dim in tensor-parallel rank order (each rank
+holds a contiguous chunk of the full tensor), replicated ones are taken from tp
+rank 0, and chunk-local layer indices become global ones. The result uses the names of a GPTModel built with
 TP = PP = 1 ("full names"), the same convention a ZeRO consolidation tool writes.
 Files are opened one at a time with mmap, so only the model weights are read.
 """
@@ -17,8 +17,9 @@ import torch
 
 from megatron.core.moe.config import MoEConfig, parse_layer_freq
 from megatron.core.transformer_config import TransformerConfig
+from megatron.model.gpt_model import stage_layers
 from megatron.training.checkpoint.checkpointer import read_tracker
-from megatron.training.checkpoint.legacy import checkpoint_file, load_file, saved_mesh
+from megatron.training.checkpoint.legacy import checkpoint_file, load_file, model_keys, saved_mesh
 from megatron.training.checkpoint.names import iteration_dir, tracker_path
 from zero_cache.checkpoint import CheckpointError, distributed
 
@@ -216,26 +217,30 @@ def load_full_state_dict(load_dir: str, iteration: int | None = None,
             raise CheckpointError(f"{iteration_dir(load_dir, it)} holds files of {key.split('_')[0]}-parallel size "
                                   f"{size} but its args say {key}={args[key]}; the checkpoint is inconsistent")
     cfg = model_config_from_args(args)
-    if cfg.num_layers % pp:
-        raise CheckpointError(f"num_layers {cfg.num_layers} in the args is not divisible by the checkpoint's "
-                              f"pipeline-parallel size {pp}")
-    per_stage = cfg.num_layers // pp
     tied = not cfg.untie_embeddings_and_output_weights
     full: dict[str, torch.Tensor] = {}
     for p in range(pp):
-        shards: dict[str, list[torch.Tensor]] = {}
+        shards: dict[str, list[torch.Tensor]] = {}  # global name -> one tensor per tensor-parallel rank
         for t in range(tp):
             path = checkpoint_file(load_dir, it, t, p, pp)
             progress(f"> reading {path}")
-            for name, tensor in load_file(path, mmap=True)["model"].items():
-                if tied and name == OUTPUT_LAYER:
-                    continue  # the last stage's copy of the tied word embedding
-                shards.setdefault(name, []).append(tensor)
+            state = load_file(path, mmap=True)
+            keys = model_keys(state)
+            for chunk, key in enumerate(keys):
+                try:
+                    offset, _ = stage_layers(cfg.num_layers, pp, p, len(keys), chunk)
+                except ValueError as e:
+                    raise CheckpointError(f"{path}: {e} (from the checkpoint's args); the checkpoint is "
+                                          "inconsistent") from None
+                for name, tensor in state[key].items():
+                    if tied and name == OUTPUT_LAYER:
+                        continue  # the last stage's copy of the tied word embedding
+                    shards.setdefault(global_name(name, offset), []).append(tensor)
         for name, parts in shards.items():
             if len(parts) != tp:
                 raise CheckpointError(f"{name} is held by {len(parts)} of {tp} tensor-parallel files of stage {p}")
             dim = partition_dim(name)
-            full[global_name(name, p * per_stage)] = parts[0].clone() if dim is None else torch.cat(parts, dim)
+            full[name] = parts[0].clone() if dim is None else torch.cat(parts, dim)
     check_full_state_dict(cfg, full, f"checkpoint {load_dir} iteration {it}")
     return args, full
 

@@ -88,13 +88,6 @@ def _config(args: argparse.Namespace, world_size: int) -> Config:
     if parallel.context_parallel_size > 1 and data.reset_attention_mask:
         raise ValueError("--reset-attention-mask with --context-parallel-size > 1: context-parallel attention is "
                          "causal over the whole sequence only; drop --reset-attention-mask")
-    if parallel.context_parallel_size > 1 and checkpoint.ckpt_format == "torch":
-        raise ValueError("--ckpt-format torch with --context-parallel-size > 1: the legacy per-rank layout has no "
-                         "place for context-parallel ranks; use --ckpt-format torch_dist (the default)")
-    if parallel.virtual_stages > 1 and checkpoint.ckpt_format == "torch":
-        raise ValueError("--ckpt-format torch with the interleaved schedule: the legacy per-rank layout (and the "
-                         "conversion tools that read it) hold one stage's layers as one model; use --ckpt-format "
-                         "torch_dist (the default), which also loads into other pipeline layouts")
     if parallel.expert_model_parallel_size > 1 and checkpoint.ckpt_format == "torch":
         raise ValueError("--ckpt-format torch with --expert-model-parallel-size > 1: the legacy per-rank layout has "
                          "no place for expert-parallel shards; use --ckpt-format torch_dist (the default), which "

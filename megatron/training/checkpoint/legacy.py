@@ -4,8 +4,12 @@
     <save>/iter_0000100/mp_rank_00/model_optim_rng.pt       PP = 1, one file per tensor-parallel rank
     <save>/iter_0000100/mp_rank_00_000/model_optim_rng.pt   PP > 1, one file per (tp, pp) rank
 
-Data-parallel rank 0 of each (tp, pp) writes; the RNG states of all its
-data-parallel peers go into the file as a list so each restores its own. Files
+Data-parallel rank 0 of each (tp, pp) writes; context-parallel ranks hold the same
+weights and count as data-parallel peers here, as in Megatron-LM. The RNG states of
+all those peers go into the file as a list so each restores its own. With the
+interleaved schedule a file holds one state dict per model chunk, ``model0``,
+``model1``, ... (chunk k of stage r is the (k x PP + r)-th slice of the layers), in
+place of ``model``. Files
 hold only tensors and plain Python values, so they load with
 ``torch.load(..., weights_only=True)``. Each file is written to a temporary name
 and renamed; the tracker file is renamed into place only after every rank has
@@ -22,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel.model_chunks import model_chunks
 from megatron.training.checkpoint.checkpointer import read_tracker, write_tracker
 from megatron.training.checkpoint.config import CheckpointConfig
 from megatron.training.checkpoint.names import TRACKER, iteration_dir, tracker_path
@@ -95,23 +100,25 @@ def load_file(path: str, *, mmap: bool = False) -> dict:
 class _Mesh:
     tp: int
     pp: int
-    dp: int
     tp_rank: int
     pp_rank: int
+    dp_ranks: tuple[int, ...]  # global ranks of the data x context-parallel peers, in their rank order
     dp_rank: int
 
-    def global_rank(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
-        return pp_rank * self.dp * self.tp + dp_rank * self.tp + tp_rank  # parallel_state's rank order
+    @property
+    def dp(self) -> int:
+        return len(self.dp_ranks)
 
 
 def _mesh() -> _Mesh:
     if ps.model_parallel_is_initialized():
         return _Mesh(ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                     ps.get_data_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
-                     ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank())
+                     ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                     tuple(ps.get_data_parallel_global_ranks(with_context_parallel=True)),
+                     ps.get_data_parallel_rank(with_context_parallel=True))
     if dist.is_initialized() and dist.get_world_size() > 1:
         raise RuntimeError("checkpointing with several ranks needs initialize_model_parallel() first")
-    return _Mesh(1, 1, 1, 0, 0, 0)
+    return _Mesh(1, 1, 0, 0, (0,), 0)
 
 
 def _barrier() -> None:
@@ -133,7 +140,26 @@ def _gather_dp_rng_states(mesh: _Mesh, rng_tracker) -> list[dict]:
         return [mine]
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    return [everyone[mesh.global_rank(mesh.pp_rank, d, mesh.tp_rank)] for d in range(mesh.dp)]
+    return [everyone[r] for r in mesh.dp_ranks]
+
+
+def model_keys(state: dict) -> list[str]:
+    """The keys of a file's model state dicts: ``["model"]``, or ``model0``, ``model1``, ... (one per chunk of
+    the interleaved schedule)."""
+    if "model" in state:
+        return ["model"]
+    keys = sorted((k for k in state if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
+    if keys != [f"model{k}" for k in range(len(keys))] or not keys:
+        raise CheckpointError(f"a checkpoint file holds model states {keys or 'none'}: expected 'model' or "
+                              "'model0', 'model1', ...; the file is not a Megatron checkpoint")
+    return keys
+
+
+def _model_states(model: torch.nn.Module) -> dict[str, dict]:
+    chunks = model_chunks(_unwrap(model))
+    if len(chunks) == 1:
+        return {"model": chunks[0].state_dict()}
+    return {f"model{k}": chunk.state_dict() for k, chunk in enumerate(chunks)}
 
 
 # ----- save / load -----
@@ -154,7 +180,7 @@ def save_checkpoint(cfg: CheckpointConfig, iteration: int, model: torch.nn.Modul
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": int(iteration),
         "consumed_samples": int(consumed_samples),
-        "model": _unwrap(model).state_dict(),
+        **_model_states(model),
     }
     if not cfg.no_save_optim:
         if optimizer is not None:
@@ -181,8 +207,8 @@ def _check_mesh(root: str, iteration: int, mesh: _Mesh) -> None:
     raise CheckpointError(
         f"checkpoint {iteration_dir(root, iteration)} was saved with tensor-parallel size {tp} and "
         f"pipeline-parallel size {pp}, but this run uses {mesh.tp} and {mesh.pp}: relaunch with "
-        f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} (any data-parallel size works "
-        "with --no-load-rng), or export the weights with tools/checkpoint/convert_to_hf.py")
+        f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} (any data- or context-parallel "
+        "size works with --no-load-rng), or export the weights with tools/checkpoint/convert_to_hf.py")
 
 
 def load_checkpoint(cfg: CheckpointConfig, model: torch.nn.Module, optimizer, scheduler,
@@ -201,11 +227,17 @@ def load_checkpoint(cfg: CheckpointConfig, model: torch.nn.Module, optimizer, sc
     _check_mesh(cfg.load, iteration, mesh)
     path = checkpoint_file(cfg.load, iteration, mesh.tp_rank, mesh.pp_rank, mesh.pp)
     state = load_file(path)
-    try:
-        _unwrap(model).load_state_dict(state["model"], strict=True)
-    except RuntimeError as e:
-        raise CheckpointError(f"the model in {path} does not fit this model ({e}); load it with the model "
-                              "arguments it was saved with (see its 'args')") from e
+    chunks, keys = model_chunks(_unwrap(model)), model_keys(state)
+    if len(keys) != len(chunks):
+        raise CheckpointError(f"{path} holds {len(keys)} model chunk(s) per pipeline stage but this run has "
+                              f"{len(chunks)}: relaunch with --virtual-pipeline-model-parallel-size {len(keys)} "
+                              "(1: without it), as it was saved")
+    for key, chunk in zip(keys, chunks):
+        try:
+            chunk.load_state_dict(state[key], strict=True)
+        except RuntimeError as e:
+            raise CheckpointError(f"the model in {path} does not fit this model ({e}); load it with the model "
+                                  "arguments it was saved with (see its 'args')") from e
 
     if optimizer is not None and not (cfg.no_load_optim or cfg.finetune):
         if "optimizer" not in state:
@@ -220,8 +252,8 @@ def load_checkpoint(cfg: CheckpointConfig, model: torch.nn.Module, optimizer, sc
     if not (cfg.no_load_rng or cfg.finetune):
         states = state["rng_state"]
         if len(states) != mesh.dp:
-            raise CheckpointError(f"{path} holds RNG states of {len(states)} data-parallel ranks but this run has "
-                                  f"{mesh.dp}; pass --no-load-rng to resume with fresh RNG states")
+            raise CheckpointError(f"{path} holds RNG states of {len(states)} data x context-parallel ranks but "
+                                  f"this run has {mesh.dp}; pass --no-load-rng to resume with fresh RNG states")
         set_rng_state(states[mesh.dp_rank], rng_tracker)
 
     if cfg.finetune:
