@@ -58,6 +58,8 @@ CONFIGURATIONS = {c.name: c for c in (
     Configuration("cp2", 2, ("--context-parallel-size", "2"), cp=2),
     Configuration("cp2-a2a", 2, ("--context-parallel-size", "2", "--cp-comm-type", "a2a"), cp=2,
                   cp_comm_type="a2a"),
+    Configuration("cp2-allgather", 2, ("--context-parallel-size", "2", "--cp-comm-type", "allgather"), cp=2,
+                  cp_comm_type="allgather"),
     Configuration("cp2-offload", 2, ("--context-parallel-size", "2", "--cpu-offloading",
                                      "--cpu-offloading-num-layers", "1"), cp=2, offloaded_layers=1),
     Configuration("cp2-selective", 2, ("--context-parallel-size", "2", "--recompute-granularity", "selective"),

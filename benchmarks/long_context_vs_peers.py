@@ -10,8 +10,9 @@ The configurations (--systems), each its own torchrun job per trial, 2 ranks (--
 
 - ours-dp[-full]: ``pretrain_gpt.py --deepspeed`` (zero_cache ZeRO-3) without context parallelism: data
   parallel, each rank a whole sequence of its own (``-full``: ``--recompute-granularity full``).
-- ours-cp-p2p / ours-cp-a2a [-selective / -full]: ``--context-parallel-size`` --cp ``--cp-comm-type p2p``
-  (ring attention) or ``a2a`` (all-to-all between sequence and heads), each sequence split over --cp ranks.
+- ours-cp-p2p / ours-cp-a2a [-selective / -full] / ours-cp-allgather: ``--context-parallel-size`` --cp
+  ``--cp-comm-type p2p`` (ring attention), ``a2a`` (all-to-all between sequence and heads) or ``allgather``
+  (every rank gathers the whole sequence's keys and values), each sequence split over --cp ranks.
   While the trainer does not implement a flag it rejects it with one ``error:`` line: such a row says
   "not available" with that line and the benchmark goes on.
 - deepspeed-ulysses[-full]: benchmarks/peer_workers/deepspeed_ulysses.py in the peers' venv: the same GPT in
@@ -116,6 +117,7 @@ SYSTEMS = [
     System("ours-dp", "ours: no CP (each rank a whole sequence)", "ours", False, "", ""),
     System("ours-cp-p2p", "ours: CP, ring attention (p2p)", "ours", True, "p2p", ""),
     System("ours-cp-a2a", "ours: CP, all-to-all (a2a)", "ours", True, "a2a", ""),
+    System("ours-cp-allgather", "ours: CP, gathered keys and values (allgather)", "ours", True, "allgather", ""),
     System("deepspeed-ulysses", "DeepSpeed-Ulysses (DistributedAttention), ZeRO-3", "ulysses", True, "a2a", ""),
     System("ours-cp-p2p-full", "ours: CP p2p + full recompute", "ours", True, "p2p", "full"),
     System("deepspeed-ulysses-full", "DeepSpeed-Ulysses + full recompute", "ulysses", True, "a2a", "full"),

@@ -13,7 +13,8 @@ t TP, r = t with --sequence-parallel else 1; a rank holds s / CP tokens of every
   plus the fp32 log-sum-exp, for torch's flash-style SDPA (CUDA, or attention dropout 0 on the CPU); the CPU's
   math kernel (attention dropout > 0) keeps fp32 q, k, v and three fp32 [s, s] score tensors per head instead;
   selective recompute keeps only the core's inputs and output; context parallelism keeps the output twice (ring
-  attention's and the projection's copy; Ulysses' in the head layout and exchanged back);
+  attention's and the projection's copy; Ulysses' in the head layout and exchanged back), and its all-gather
+  kind the whole sequence's keys and values (2 CP g d / t each token of the rank);
 - the MLP: fc1's output and fc2's input, f/t each (SwiGLU: gate output, its SiLU, fc1's output, product).
 
 A stage holds that for every layer of the model chunks in flight (1F1B: PP - stage; interleaved: Megatron's
@@ -34,7 +35,7 @@ import torch
 from megatron.core.transformer_config import TransformerConfig
 
 RECOMPUTE = (None, "selective", "full")
-CP_COMM_TYPES = ("p2p", "a2a")
+CP_COMM_TYPES = ("p2p", "a2a", "allgather")
 FP32 = 4  # bytes: softmax statistics, the log-sum-exp and the loss's math are fp32 whatever the model's dtype
 
 
@@ -65,7 +66,7 @@ class ActivationSetup:
     tp: int = 1
     sequence_parallel: bool = False  # with tp > 1: the residual side holds 1/TP of the sequence
     cp: int = 1  # context parallelism: each rank holds seq_length / cp tokens of every sequence
-    cp_comm_type: str = "p2p"  # p2p: ring attention; a2a: Ulysses all-to-all between sequence and heads
+    cp_comm_type: str = "p2p"  # p2p: ring attention; a2a: Ulysses all-to-all; allgather: every rank gathers k, v
     pp: int = 1
     stage: int = 0  # pipeline stage (0: the one with the most micro-batches in flight)
     virtual_stages: int = 1  # model chunks per stage (interleaved schedule)
@@ -165,6 +166,8 @@ def attention_bytes(cfg: TransformerConfig, setup: ActivationSetup) -> float:
         # Ring attention keeps its inputs (it repeats grouped heads block by block), its output and the LSE; the
         # projection copies the output into the sequence layout.
         return (core_inputs + 2 * ad) * e + lse
+    if setup.cp > 1 and setup.cp_comm_type == "allgather":
+        return _all_gather_attention_bytes(cfg, setup, q_view)
     ulysses = setup.cp > 1
     if not _flash_attention(cfg, setup):
         # The math kernel: fp32 copies of q, k, v (in fp32 Ulysses' v is a view of the exchanged q, k, v, which
@@ -179,6 +182,17 @@ def attention_bytes(cfg: TransformerConfig, setup: ActivationSetup) -> float:
     views = q_view or not grouped
     inputs = (qkv_out if views else 0) + (0 if q_view else ad) + (2 * ad if grouped else ad if rope else 0)
     return (inputs + ad) * e + lse
+
+
+def _all_gather_attention_bytes(cfg: TransformerConfig, setup: ActivationSetup, q_view: bool) -> float:
+    """All-gather context parallelism per token of this rank: the queries (or the QKV output they are a view of),
+    the whole sequence's keys and values (CP x this rank's, their own head count), the output and the
+    projection's copy of it, and the LSE."""
+    e, t = _dtype_bytes(cfg, setup), setup.tp
+    heads, d = cfg.num_attention_heads // t, cfg.kv_channels
+    ad, gd = heads * d, cfg.num_query_groups // t * d
+    queries = (ad + 2 * gd) if q_view else ad
+    return (queries + 2 * setup.cp * gd + 2 * ad) * e + heads * FP32
 
 
 def mlp_bytes(cfg: TransformerConfig, setup: ActivationSetup, ffn: int | None = None) -> float:
@@ -255,6 +269,11 @@ def backward_working_bytes(cfg: TransformerConfig, setup: ActivationSetup) -> fl
         # Ring attention: dq in fp32, the key/value block and the one arriving, their fp32 gradient accumulator
         # with the one sent and the one arriving, and one block's dq, dk, dv (heads repeated).
         attn = ad * FP32 + 4 * gd * e + 6 * gd * FP32 + 3 * ad * e + residual
+        rebuilt = ad * e + heads * FP32
+    elif setup.cp > 1 and setup.cp_comm_type == "allgather":
+        # dq and the gradients of every block's keys and values in fp32, one block's dq, dk, dv (heads repeated)
+        # and the reduce-scatter's result.
+        attn = ad * FP32 + 2 * setup.cp * gd * FP32 + 3 * ad * e + 2 * gd * FP32 + residual
         rebuilt = ad * e + heads * FP32
     elif _flash_attention(cfg, setup):
         attn = (3 * ad + qkv_out) * e + residual

@@ -28,7 +28,7 @@ import torch
 from megatron.core.parallel_state import ParallelConfigError, check_expert_parallel_size
 from megatron.training.arguments import ConfigError as MegatronConfigError
 from megatron.training.arguments.model import add_model_args, model_config_from_args
-from ptm_planner.activations import ActivationLayout
+from ptm_planner.activations import CP_COMM_TYPES, ActivationLayout
 from ptm_planner.all_to_all import AllToAll, all_to_all
 from ptm_planner.family import Plan, growth, largest, plan
 from ptm_planner.longest_seq import longest_seq, seq_step
@@ -121,8 +121,9 @@ def add_long_context_args(p: argparse.ArgumentParser, g: argparse._ArgumentGroup
                                  "help": "with TP: norms, dropouts and residuals hold 1/TP of the sequence"}),
         ("--context-parallel-size", {"type": int, "default": 1,
                                      "help": "ranks that split every sequence (each holds seq / CP tokens)"}),
-        ("--cp-comm-type", {"choices": ["p2p", "a2a"], "default": "p2p",
-                            "help": "context-parallel attention: p2p ring, a2a Ulysses all-to-all"}),
+        ("--cp-comm-type", {"choices": list(CP_COMM_TYPES), "default": "p2p",
+                            "help": "context-parallel attention: p2p ring, a2a Ulysses all-to-all, allgather "
+                                    "(every rank gathers the whole sequence's keys and values)"}),
         ("--num-layers-per-virtual-pipeline-stage", {"type": int, "default": None,
                                                      "help": "the interleaved 1F1B schedule's model chunk size"}),
         ("--cpu-offloading", {"action": "store_true", "help": "move saved activations of the first layers of each "
@@ -160,9 +161,9 @@ def layout_from_args(args: argparse.Namespace, mesh: Mesh) -> ActivationLayout:
     if cp > 1 and mesh.ep > 1:
         raise ValueError("expert parallelism with context parallelism is not supported; use "
                          "--expert-model-parallel-size 1 or --context-parallel-size 1")
-    if cp > 1 and args.cp_comm_type == "p2p" and args.attention_dropout > 0:
-        raise ValueError(f"--attention-dropout {args.attention_dropout} with ring attention (--cp-comm-type p2p): "
-                         "set --attention-dropout 0, or use --cp-comm-type a2a")
+    if cp > 1 and args.cp_comm_type in ("p2p", "allgather") and args.attention_dropout > 0:
+        raise ValueError(f"--attention-dropout {args.attention_dropout} with --cp-comm-type {args.cp_comm_type} (its "
+                         "block kernels take no dropout): set --attention-dropout 0, or use --cp-comm-type a2a")
     if cp > 1 and args.cp_comm_type == "a2a" and (args.num_attention_heads // tp) % cp:
         raise ValueError(f"--cp-comm-type a2a splits each tensor-parallel rank's {args.num_attention_heads // tp} "
                          f"attention heads over --context-parallel-size {cp}: choose sizes that divide, or use p2p")

@@ -43,7 +43,7 @@ class TransformerConfig:
     cpu_offloading_num_layers: int = 0
     # Mesh-dependent behaviour (the sizes themselves come from parallel_state):
     sequence_parallel: bool = False  # outside the tensor-parallel regions, TP ranks hold 1/TP of the sequence
-    cp_comm_type: str = "p2p"  # context-parallel attention: p2p (ring) | a2a (all-to-all between sequence and heads)
+    cp_comm_type: str = "p2p"  # context-parallel attention: p2p (ring) | a2a (sequence <-> heads) | allgather (k, v)
     seed: int = 1234  # weights are initialised from (seed, parameter name)
     # Linear and embedding layers add their weight gradient into the gradient buffer (DDP's main_grad or the ZeRO
     # engine's) themselves: autograd allocates no gradient tensor per matrix or embedding table.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from megatron.core.context_parallel import COMM_TYPES
 from megatron.core.moe.config import MoEConfig
 from megatron.core.optimizer.config import OptimizerConfig
 from megatron.core.transformer_config import TransformerConfig
@@ -135,8 +136,8 @@ class ParallelConfig:
                 f"--global-batch-size {self.global_batch_size} is not divisible by --micro-batch-size "
                 f"{self.micro_batch_size} x data-parallel size {self.data_parallel_size} = {per_step}; "
                 f"use a multiple of {per_step}")
-        if self.cp_comm_type not in ("p2p", "a2a"):
-            raise ValueError(f"--cp-comm-type {self.cp_comm_type!r}: choose p2p or a2a")
+        if self.cp_comm_type not in COMM_TYPES:
+            raise ValueError(f"--cp-comm-type {self.cp_comm_type!r}: choose one of {', '.join(COMM_TYPES)}")
         # Checked for every size now rather than when the schedule reaches it, hours into the run.
         bad = [size for size in self.schedule.sizes() if size % per_step]
         if bad:

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.core.context_parallel import attention_kernels as kernels
 from megatron.core.context_parallel import (
+    all_gather_attention,
     chunk_ids,
     context_parallel_attention,
     gather_from_context_parallel,
@@ -17,6 +17,7 @@ from megatron.core.context_parallel import (
     to_load_balanced_order,
     to_natural_order,
 )
+from megatron.core.context_parallel import attention_kernels as kernels
 from megatron.core.context_parallel.attention_kernels import (
     attention_backward,
     attention_forward,
@@ -168,15 +169,19 @@ def test_kernel_errors():
 
 # --- errors raised before any communication ---------------------------------------------------------------------
 
-def test_ring_attention_errors():
+def test_ring_and_all_gather_attention_errors():
     q, kv = torch.zeros(1, 4, 8, 8), torch.zeros(1, 2, 8, 8)
     with pytest.raises(ValueError, match="dropout 0.1 is not supported by ring attention"):
         ring_attention(q, kv, kv, None, dropout_p=0.1)
+    with pytest.raises(ValueError, match="dropout 0.1 is not supported by all-gather attention"):
+        all_gather_attention(q, kv, kv, None, dropout_p=0.1)
+    with pytest.raises(ValueError, match="all-gather attention takes q"):
+        all_gather_attention(q, kv[0], kv[0], None)
     with pytest.raises(ValueError, match="not a multiple of 3 key/value heads.*--num-query-groups"):
         ring_attention(q, torch.zeros(1, 3, 8, 8), torch.zeros(1, 3, 8, 8), None)
     with pytest.raises(ValueError, match="local sequence length 7 is odd"):
         ring_attention(torch.zeros(1, 4, 7, 8), torch.zeros(1, 2, 7, 8), torch.zeros(1, 2, 7, 8), None)
-    with pytest.raises(ValueError, match="--cp-comm-type 'ring' is not one of p2p, a2a"):
+    with pytest.raises(ValueError, match="--cp-comm-type 'ring' is not one of p2p, a2a, allgather"):
         context_parallel_attention(q, kv, kv, comm_type="ring", group=None)
 
 
@@ -232,15 +237,17 @@ def _check_against_reference(outs: list[dict], members: list[int], cases: list[t
 
 CP2_CASES = [("p2p", 4, 4, 16, 0), ("p2p", 4, 2, 24, 1), ("p2p", 4, 1, 32, 2),
              ("a2a", 4, 4, 16, 3), ("a2a", 4, 2, 24, 4), ("a2a", 4, 1, 32, 5),
-             ("p2p", 4, 2, 16, 11, torch.bfloat16), ("a2a", 4, 2, 16, 12, torch.bfloat16)]
+             ("allgather", 4, 4, 16, 13), ("allgather", 3, 1, 24, 14),
+             ("p2p", 4, 2, 16, 11, torch.bfloat16), ("a2a", 4, 2, 16, 12, torch.bfloat16),
+             ("allgather", 4, 2, 16, 15, torch.bfloat16)]
 # CP 4: a2a repeats the 2 key/value heads (they do not split over 4); CP 2 over subgroups {1, 3} and {0, 2},
 # whose group ranks are not the global ones; CP 1 (no communication).
-CP4_CASES = [("p2p", 4, 2, 32, 6), ("p2p", 2, 2, 16, 7), ("a2a", 4, 2, 32, 8)]
-SUBGROUP_CASES = [("p2p", 4, 2, 24, 9), ("a2a", 4, 2, 24, 10)]
+CP4_CASES = [("p2p", 4, 2, 32, 6), ("p2p", 2, 2, 16, 7), ("a2a", 4, 2, 32, 8), ("allgather", 4, 2, 32, 16)]
+SUBGROUP_CASES = [("p2p", 4, 2, 24, 9), ("a2a", 4, 2, 24, 10), ("allgather", 4, 2, 24, 17)]
 
 
 @pytest.mark.multiprocess
-def test_cp2_ring_and_all_to_all_equal_full_attention():
+def test_cp2_ring_all_to_all_and_all_gather_equal_full_attention():
     outs = [r[0] for r in run_distributed(_cp_cases, 2, [(None, CP2_CASES)], timeout=RANK_TIMEOUT)]
     _check_against_reference(outs, [0, 1], CP2_CASES)
     message = outs[0]["head_error"]

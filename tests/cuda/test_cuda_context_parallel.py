@@ -1,7 +1,8 @@
 """Context-parallel attention on a GPU (skipped without one; benchmarks/gpu_check.sh runs them on a GPU machine):
 the fused CUDA block kernels (flash in bf16, memory-efficient in fp32) against the plain implementation on CUDA,
-including backward given a merged (out, lse), which ring attention relies on; and ring / all-to-all attention
-over NCCL on 2 GPUs against one-process attention (skipped in the test body with fewer GPUs)."""
+including backward given a merged (out, lse), which ring and all-gather attention rely on; all-gather attention
+over an NCCL group of one GPU; and ring / all-to-all / all-gather attention over NCCL on 2 GPUs against
+one-process attention (skipped in the test body with fewer GPUs)."""
 from __future__ import annotations
 
 import pytest
@@ -82,7 +83,7 @@ def test_cuda_kernels_equal_math_on_the_gpu(dtype):
 
 
 CASES = [("p2p", 8, 2, torch.bfloat16), ("p2p", 8, 8, torch.float32), ("a2a", 8, 2, torch.bfloat16),
-         ("a2a", 8, 8, torch.float32)]
+         ("a2a", 8, 8, torch.float32), ("allgather", 8, 2, torch.bfloat16), ("allgather", 8, 8, torch.float32)]
 SEQ, HEAD_DIM = 512, 64
 
 
@@ -92,12 +93,23 @@ def _inputs(hq: int, hkv: int, dtype: torch.dtype, seed: int) -> list[torch.Tens
     return [torch.randn(*s, generator=gen).to(dtype) for s in shapes]
 
 
-def _nccl_cases(rank: int, world: int) -> dict:
-    """Every case on the 2 NCCL ranks: this rank's out, dq, dk, dv on the host."""
+def _reference(hq: int, hkv: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    """Causal attention's out, dq, dk, dv of one case in float64 on the host."""
+    q, k, v, dout = (t.double().requires_grad_(True) for t in _inputs(hq, hkv, dtype, seed))
+    kr, vr = (t.repeat_interleave(hq // hkv, dim=1) for t in (k, v))
+    scores = (q @ kr.transpose(-1, -2) * HEAD_DIM ** -0.5).masked_fill(
+        torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1), float("-inf"))
+    ref = torch.softmax(scores, dim=-1) @ vr
+    ref.backward(dout)
+    return [ref.detach(), q.grad, k.grad, v.grad]
+
+
+def _nccl_cases(rank: int, world: int, cases: list[tuple]) -> dict:
+    """Every case on the NCCL ranks: this rank's out, dq, dk, dv on the host."""
     strict_fp32()
     torch.cuda.set_device(rank)
     results = {}
-    for seed, (comm_type, hq, hkv, dtype) in enumerate(CASES):
+    for seed, (comm_type, hq, hkv, dtype) in enumerate(cases):
         q, k, v, dout = (split(t, 2, world, rank).cuda() for t in _inputs(hq, hkv, dtype, seed))
         q, k, v = (t.requires_grad_(True) for t in (q, k, v))
         out = context_parallel_attention(q, k, v, comm_type=comm_type, group=dist.group.WORLD)
@@ -107,17 +119,22 @@ def _nccl_cases(rank: int, world: int) -> dict:
 
 
 @pytest.mark.multiprocess
-def test_ring_and_all_to_all_over_nccl_equal_full_attention():
+def test_ring_all_to_all_and_all_gather_over_nccl_equal_full_attention():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs (NCCL takes one rank per GPU)")
-    outs = run_distributed(_nccl_cases, 2, backend="nccl", timeout=RANK_TIMEOUT)
+    outs = run_distributed(_nccl_cases, 2, CASES, backend="nccl", timeout=RANK_TIMEOUT)
     for seed, (comm_type, hq, hkv, dtype) in enumerate(CASES):
-        q, k, v, dout = (t.double().requires_grad_(True) for t in _inputs(hq, hkv, dtype, seed))
-        kr, vr = (t.repeat_interleave(hq // hkv, dim=1) for t in (k, v))
-        scores = (q @ kr.transpose(-1, -2) * HEAD_DIM ** -0.5).masked_fill(
-            torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1), float("-inf"))
-        ref = torch.softmax(scores, dim=-1) @ vr
-        ref.backward(dout)
-        for i, want in enumerate((ref.detach(), q.grad, k.grad, v.grad)):
+        for i, want in enumerate(_reference(hq, hkv, dtype, seed)):
             got = gather_from_context_parallel([outs[r][seed][i] for r in range(2)], dim=2)
             assert got.dtype == dtype and _rel_err(got, want) < _tol(dtype), (comm_type, hq, hkv, dtype, i)
+
+
+@pytest.mark.multiprocess
+def test_all_gather_attention_on_one_gpu_equals_full_attention():
+    """CP 1 on one GPU: the all-gather and reduce-scatter over an NCCL group of one, the own block through the fused
+    kernels (flash in bf16, memory-efficient in fp32) with grouped heads repeated and summed back."""
+    cases = [c for c in CASES if c[0] == "allgather"]
+    out = run_distributed(_nccl_cases, 1, cases, backend="nccl", timeout=RANK_TIMEOUT)[0]
+    for seed, (_, hq, hkv, dtype) in enumerate(cases):
+        for i, want in enumerate(_reference(hq, hkv, dtype, seed)):
+            assert out[seed][i].dtype == dtype and _rel_err(out[seed][i], want) < _tol(dtype), (hq, hkv, dtype, i)

@@ -60,13 +60,14 @@ def test_activation_offload_and_selective_recompute_on_gpu_change_nothing(tmp_pa
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("split", ["tp2-sp", "cp2-p2p", "cp2-a2a"])
+@pytest.mark.parametrize("split", ["tp2-sp", "cp2-p2p", "cp2-a2a", "cp2-allgather"])
 def test_sequence_and_context_parallel_over_nccl_match_one_gpu(split):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs (NCCL runs one rank per GPU)")
     flags = {"tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
              "cp2-p2p": ["--context-parallel-size", "2", "--cp-comm-type", "p2p"],
-             "cp2-a2a": ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]}[split]
+             "cp2-a2a": ["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
+             "cp2-allgather": ["--context-parallel-size", "2", "--cp-comm-type", "allgather"]}[split]
     one = run_distributed(_train, 1, _argv([]), backend="nccl", timeout=RANK_TIMEOUT)[0]
     two = run_distributed(_train, 2, _argv(flags), backend="nccl", timeout=RANK_TIMEOUT)
     losses = next(r["losses"] for r in two if r["losses"])

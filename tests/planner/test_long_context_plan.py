@@ -138,13 +138,14 @@ class _Allocations(TorchDispatchMode):
 
 @contextlib.contextmanager
 def _one_rank_of(tp: int, cp: int):
-    """This process as rank 0 of a TP x CP mesh: gloo for one rank; torch's fake group (collectives do nothing,
-    shapes are real) for more."""
+    """This process as the last rank of a TP x CP mesh (the planner plans the largest: under all-gather context
+    parallelism CP rank 0 alone has a chunk without a mask): gloo for one rank; torch's fake group (collectives
+    do nothing, shapes are real) for more."""
     if tp * cp == 1:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     else:
         import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
-        dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=tp * cp)
+        dist.init_process_group("fake", store=dist.HashStore(), rank=tp * cp - 1, world_size=tp * cp)
     try:
         ps.initialize_model_parallel(tp, 1, **({"context_parallel_size": cp} if cp > 1 else {}))
         yield
@@ -200,7 +201,7 @@ MODELS = {
 
 
 MESHES = {"one rank": (1, 1, "p2p"), "tp2": (2, 1, "p2p"), "cp2 ring": (1, 2, "p2p"), "cp2 ulysses": (1, 2, "a2a"),
-          "tp2 cp2": (2, 2, "p2p")}
+          "cp2 allgather": (1, 2, "allgather"), "tp2 cp2": (2, 2, "p2p")}
 
 
 def _built(kw: dict, cp: int, comm: str) -> TransformerConfig:
@@ -209,8 +210,8 @@ def _built(kw: dict, cp: int, comm: str) -> TransformerConfig:
     if cp > 1:
         if "context_parallel_size" not in inspect.signature(ps.initialize_model_parallel).parameters:
             pytest.skip("the trainer does not implement context parallelism yet")
-        if comm == "p2p" and kw.get("attention_dropout", 0.1) > 0:
-            pytest.skip("ring attention takes no attention dropout (the trainer refuses it)")
+        if comm in ("p2p", "allgather") and kw.get("attention_dropout", 0.1) > 0:
+            pytest.skip(f"--cp-comm-type {comm} takes no attention dropout (the trainer refuses it)")
         kw = {**kw, "cp_comm_type": comm}
     missing = [k for k in kw if k not in fields]
     if missing:
@@ -314,7 +315,8 @@ def test_nothing_fits_at_the_shortest_length_is_one_line(capsys):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--context-parallel-size", "2", "--attention-dropout", "0.1"], "with ring attention (--cp-comm-type p2p)"),
+    (["--context-parallel-size", "2", "--attention-dropout", "0.1"],
+     "with --cp-comm-type p2p (its block kernels take no dropout)"),
     (["--context-parallel-size", "2", "--seq-length", "1030"], "--seq-length 1030 is not divisible by 4"),
     (["--context-parallel-size", "3"], "context-parallel size 3"),
     (["--cpu-offloading-num-layers", "4"], "so 1 to 3 can be offloaded"),

@@ -53,6 +53,20 @@ def test_bad_model_shape_fails_in_parse_args():
         parse_args(_with(TINY_GPT, "--seq-length", "32"), world_size=1)
 
 
+def test_context_parallel_kinds_are_checked_in_parse_args():
+    """The ring's and the all-gather's block kernels take no dropout; the all-to-all splits the heads."""
+    cp2 = _with(TINY_GPT, "--attention-dropout", "0.1") + ["--context-parallel-size", "2"]
+    for kind in ("p2p", "allgather"):
+        with pytest.raises(ConfigError, match=f"--attention-dropout 0.1 with --cp-comm-type {kind} .* use "
+                                              "--cp-comm-type a2a"):
+            parse_args(cp2 + ["--cp-comm-type", kind], world_size=2)
+    three_heads = _with(_with(TINY_GPT, "--num-attention-heads", "3"), "--hidden-size", "48")
+    with pytest.raises(ConfigError, match="--cp-comm-type a2a splits each tensor-parallel rank's 3 attention heads"):
+        parse_args(three_heads + ["--context-parallel-size", "2", "--cp-comm-type", "a2a"], world_size=2)
+    cfg = parse_args(three_heads + ["--context-parallel-size", "2", "--cp-comm-type", "allgather"], world_size=2)
+    assert (cfg.parallel.cp_comm_type, cfg.parallel.context_parallel_size) == ("allgather", 2)
+
+
 def test_bad_deepspeed_setup_fails_in_parse_args(tmp_path):
     ds = tmp_path / "ds.json"
     ds.write_text("{}")

@@ -4,7 +4,8 @@ ZeRO-3 whose parameters and optimizer states live in host memory.
 
 The sequence (32 tokens) is split into 2 x CP chunks of 8 with context parallelism, and each rank's part again
 into TP pieces with sequence parallelism, so every boundary the splits make (chunk edges inside a rank, the ring
-hops, the all-to-all between heads and sequence, the sequence-parallel gathers) lies inside the causal window.
+hops, the all-to-all between heads and sequence, the gathered keys and values, the sequence-parallel gathers) lies
+inside the causal window.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ SPLITS = {
     "tp2-sp": (TP2_SP, 2),
     "cp2-p2p": (["--context-parallel-size", "2", "--cp-comm-type", "p2p"], 2),
     "cp2-a2a": (["--context-parallel-size", "2", "--cp-comm-type", "a2a"], 2),
+    "cp2-allgather": (["--context-parallel-size", "2", "--cp-comm-type", "allgather"], 2),
     "cp2-tp2-sp-dp2": (["--context-parallel-size", "2"] + TP2_SP, 8),
 }
 

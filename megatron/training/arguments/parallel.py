@@ -22,10 +22,12 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="ranks that split every sequence (each holds 2 mirrored chunks of it, so causal attention "
                         "work is even); they hold the same weights and reduce gradients with the data-parallel ranks")
-    g.add_argument("--cp-comm-type", choices=["p2p", "a2a"], default="p2p",
+    g.add_argument("--cp-comm-type", choices=["p2p", "a2a", "allgather"], default="p2p",
                    help="context-parallel attention: p2p = ring attention (key/value blocks passed around the "
                         "ring, overlapped with compute); a2a = all-to-all between sequence and heads around "
-                        "attention (DeepSpeed-Ulysses), needs heads per tensor-parallel rank divisible by CP")
+                        "attention (DeepSpeed-Ulysses), needs heads per tensor-parallel rank divisible by CP; "
+                        "allgather = every rank gathers the whole sequence's keys and values (one all-gather a "
+                        "layer; CP times their memory)")
     g.add_argument("--ds-sequence-parallel-size", type=int, default=1,
                    help="Megatron-DeepSpeed's Ulysses sequence parallelism: --context-parallel-size N "
                         "--cp-comm-type a2a")

@@ -131,9 +131,10 @@ def _check_sequence_split(model: ModelConfig, parallel: ParallelConfig) -> None:
                          f"of {pieces}")
     if cp == 1:
         return
-    if parallel.cp_comm_type == "p2p" and model.attention_dropout > 0:
-        raise ValueError(f"--attention-dropout {model.attention_dropout} with ring attention (--cp-comm-type p2p): "
-                         "set --attention-dropout 0, or use --cp-comm-type a2a")
+    if parallel.cp_comm_type in ("p2p", "allgather") and model.attention_dropout > 0:
+        raise ValueError(f"--attention-dropout {model.attention_dropout} with --cp-comm-type "
+                         f"{parallel.cp_comm_type} (its block kernels take no dropout): set --attention-dropout 0, "
+                         "or use --cp-comm-type a2a")
     if parallel.cp_comm_type == "a2a" and (model.num_attention_heads // tp) % cp:
         raise ValueError(f"--cp-comm-type a2a splits each tensor-parallel rank's {model.num_attention_heads // tp} "
                          f"attention heads over --context-parallel-size {cp}: choose sizes that divide, or use "
