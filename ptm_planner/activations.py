@@ -32,10 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.core.transformer_config import TransformerConfig
+from megatron.core.transformer_config import CP_COMM_TYPES, TransformerConfig
 
 RECOMPUTE = (None, "selective", "full")
-CP_COMM_TYPES = ("p2p", "a2a", "allgather")
 FP32 = 4  # bytes: softmax statistics, the log-sum-exp and the loss's math are fp32 whatever the model's dtype
 
 

@@ -166,7 +166,8 @@ def layout_from_args(args: argparse.Namespace, mesh: Mesh) -> ActivationLayout:
                          "block kernels take no dropout): set --attention-dropout 0, or use --cp-comm-type a2a")
     if cp > 1 and args.cp_comm_type == "a2a" and (args.num_attention_heads // tp) % cp:
         raise ValueError(f"--cp-comm-type a2a splits each tensor-parallel rank's {args.num_attention_heads // tp} "
-                         f"attention heads over --context-parallel-size {cp}: choose sizes that divide, or use p2p")
+                         f"attention heads over --context-parallel-size {cp}: choose sizes that divide, or use p2p "
+                         "or allgather")
     offloaded = 0
     if args.cpu_offloading or args.cpu_offloading_num_layers is not None:
         chunk = n or layers

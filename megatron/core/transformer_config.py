@@ -10,6 +10,8 @@ import torch
 from megatron.core.moe.config import MoEConfig
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Context-parallel attention (megatron/core/context_parallel/): ring, all-to-all (Ulysses), gathered keys/values.
+CP_COMM_TYPES = ("p2p", "a2a", "allgather")
 
 
 @dataclass(frozen=True)

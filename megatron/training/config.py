@@ -9,10 +9,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from megatron.core.context_parallel import COMM_TYPES
 from megatron.core.moe.config import MoEConfig
 from megatron.core.optimizer.config import OptimizerConfig
-from megatron.core.transformer_config import TransformerConfig
+from megatron.core.transformer_config import CP_COMM_TYPES, TransformerConfig
 from megatron.data.config import DataConfig
 from megatron.tokenizer.config import TokenizerConfig
 from megatron.training.attention_backend import ATTENTION_BACKENDS
@@ -136,8 +135,8 @@ class ParallelConfig:
                 f"--global-batch-size {self.global_batch_size} is not divisible by --micro-batch-size "
                 f"{self.micro_batch_size} x data-parallel size {self.data_parallel_size} = {per_step}; "
                 f"use a multiple of {per_step}")
-        if self.cp_comm_type not in COMM_TYPES:
-            raise ValueError(f"--cp-comm-type {self.cp_comm_type!r}: choose one of {', '.join(COMM_TYPES)}")
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"--cp-comm-type {self.cp_comm_type!r}: choose one of {', '.join(CP_COMM_TYPES)}")
         # Checked for every size now rather than when the schedule reaches it, hours into the run.
         bad = [size for size in self.schedule.sizes() if size % per_step]
         if bad:

@@ -171,11 +171,12 @@ def test_model_chunks_round_trip_and_refuse_another_chunk_count(single_rank, tmp
     another number of chunks per stage gets one error naming the flag."""
     cfg = CONFIGS["llama"]
     trained, opt, sched = build_trained(cfg, virtual_stages=2)
-    save_checkpoint(_cfg(save=tmp_path), 1, trained, opt, sched, consumed_samples=0, args=megatron_args(cfg, 1, 1, 1))
+    save_checkpoint(_cfg(save=tmp_path), 1, list(trained.chunks), opt, sched, consumed_samples=0,
+                    args=megatron_args(cfg, 1, 1, 1))
     file = ckpt.load_file(ckpt.checkpoint_file(str(tmp_path), 1, 0, 0, 1))
     assert ckpt.model_keys(file) == ["model0", "model1"] and "model" not in file
     fresh, _, _ = build_trained(cfg, virtual_stages=2)
-    load_checkpoint(_cfg(load=tmp_path, no_load_optim=True), fresh, None, None)
+    load_checkpoint(_cfg(load=tmp_path, no_load_optim=True), list(fresh.chunks), None, None)
     assert_same(fresh.state_dict(), trained.state_dict())
     with pytest.raises(CheckpointError, match="holds 2 model chunk.* this run has 1: relaunch with "
                                               "--virtual-pipeline-model-parallel-size 2"):

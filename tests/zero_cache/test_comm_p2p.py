@@ -77,6 +77,9 @@ def test_p2p_collectives_equal_gloo(world_size):
 
 def _peer_gone(rank, world_size):
     """Rank 1 leaves without taking part; rank 0's point-to-point all-gather must fail, not hang."""
+    # Both ranks finish connecting first: a rank 1 that left while rank 0 was still in gloo's connection setup
+    # would fail rank 0 inside init_process_group instead, before the exchange this test is about.
+    dist.barrier()
     if rank == 1:
         return None
     comm = Comm(None, CommProfiler(False), p2p_on_gloo=True)

@@ -18,8 +18,7 @@ from megatron.core.context_parallel.load_balance import (
     to_natural_order,
 )
 from megatron.core.context_parallel.ring_attention import ring_attention
-
-COMM_TYPES = ("p2p", "a2a", "allgather")
+from megatron.core.transformer_config import CP_COMM_TYPES as COMM_TYPES
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm_type: str,

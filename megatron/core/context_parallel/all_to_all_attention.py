@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.core.context_parallel.blocks import check_inputs
 from megatron.core.context_parallel.load_balance import to_load_balanced_order, to_natural_order
 
 
@@ -52,21 +53,14 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int) -> None:
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
-        raise ValueError(f"all-to-all attention takes q [b, hq, s, d] and k, v [b, hkv, s, d]; got q "
-                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} differ in batch, sequence or head dim")
-    hq, hkv = q.shape[1], k.shape[1]
-    if hq % hkv:
-        raise ValueError(f"{hq} query heads are not a multiple of {hkv} key/value heads (--num-attention-heads "
-                         "must be a multiple of --num-query-groups)")
+    check_inputs(q, k, v, "all-to-all attention")
+    hq = q.shape[1]
     if hq % cp:
         raise ValueError(f"all-to-all context parallelism (--cp-comm-type a2a) splits the attention heads over the "
                          f"context-parallel ranks: {hq} query heads per tensor-parallel rank (--num-attention-heads "
                          f"/ TP) are not divisible by --context-parallel-size {cp}; key/value heads "
                          "(--num-query-groups) are repeated to match when they do not divide. Choose sizes that "
-                         "divide, or use --cp-comm-type p2p")
+                         "divide, or use --cp-comm-type p2p or allgather")
 
 
 def _exchange(tensors: list[torch.Tensor], group: dist.ProcessGroup, cp: int) -> list[torch.Tensor]:

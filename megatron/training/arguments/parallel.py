@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from megatron.core.parallel_state import mesh_sizes
+from megatron.core.transformer_config import CP_COMM_TYPES
 from megatron.training.batch_schedule import BatchSchedule, parse_step_schedule
 from megatron.training.config import ParallelConfig
 
@@ -22,7 +23,7 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="ranks that split every sequence (each holds 2 mirrored chunks of it, so causal attention "
                         "work is even); they hold the same weights and reduce gradients with the data-parallel ranks")
-    g.add_argument("--cp-comm-type", choices=["p2p", "a2a", "allgather"], default="p2p",
+    g.add_argument("--cp-comm-type", choices=list(CP_COMM_TYPES), default="p2p",
                    help="context-parallel attention: p2p = ring attention (key/value blocks passed around the "
                         "ring, overlapped with compute); a2a = all-to-all between sequence and heads around "
                         "attention (DeepSpeed-Ulysses), needs heads per tensor-parallel rank divisible by CP; "

@@ -138,7 +138,7 @@ def _check_sequence_split(model: ModelConfig, parallel: ParallelConfig) -> None:
     if parallel.cp_comm_type == "a2a" and (model.num_attention_heads // tp) % cp:
         raise ValueError(f"--cp-comm-type a2a splits each tensor-parallel rank's {model.num_attention_heads // tp} "
                          f"attention heads over --context-parallel-size {cp}: choose sizes that divide, or use "
-                         "--cp-comm-type p2p")
+                         "--cp-comm-type p2p or allgather")
 
 
 def _resolve_offloaded_layers(model: ModelConfig, parallel: ParallelConfig) -> ModelConfig:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.pipeline_parallel.model_chunks import model_chunks
 from megatron.training.backends.base import Backend, BackendStepResult
 from megatron.training.checkpoint import legacy
 from megatron.training.checkpoint.config import CheckpointConfig
@@ -53,12 +54,12 @@ class MegatronBackend(Backend):
 
     def save_legacy_checkpoint(self, cfg: CheckpointConfig, iteration: int, scheduler, *, consumed_samples: int,
                                args: dict, rng_tracker) -> None:
-        legacy.save_checkpoint(cfg, iteration, self.module, self.optimizer, scheduler,
+        legacy.save_checkpoint(cfg, iteration, model_chunks(self.module), self.optimizer, scheduler,
                                consumed_samples=consumed_samples, args=args, rng_tracker=rng_tracker)
 
     def load_legacy_checkpoint(self, cfg: CheckpointConfig, iteration: int, scheduler, rng_tracker
                                ) -> tuple[int, int]:
-        return legacy.load_checkpoint(cfg, self.module, self.optimizer, scheduler, rng_tracker)
+        return legacy.load_checkpoint(cfg, model_chunks(self.module), self.optimizer, scheduler, rng_tracker)
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
-from megatron.core.pipeline_parallel.model_chunks import model_chunks
 from megatron.training.checkpoint.checkpointer import read_tracker, write_tracker
 from megatron.training.checkpoint.config import CheckpointConfig
 from megatron.training.checkpoint.names import TRACKER, iteration_dir, tracker_path
@@ -155,17 +155,23 @@ def model_keys(state: dict) -> list[str]:
     return keys
 
 
-def _model_states(model: torch.nn.Module) -> dict[str, dict]:
-    chunks = model_chunks(_unwrap(model))
+def _chunks(model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The model chunks of this stage: a model is its only chunk; a list (the interleaved schedule's) as given."""
+    return [_unwrap(m) for m in model] if isinstance(model, Sequence) else [_unwrap(model)]
+
+
+def _model_states(model: torch.nn.Module | Sequence[torch.nn.Module]) -> dict[str, dict]:
+    chunks = _chunks(model)
     if len(chunks) == 1:
         return {"model": chunks[0].state_dict()}
     return {f"model{k}": chunk.state_dict() for k, chunk in enumerate(chunks)}
 
 
 # ----- save / load -----
-def save_checkpoint(cfg: CheckpointConfig, iteration: int, model: torch.nn.Module, optimizer, scheduler, *,
-                    consumed_samples: int, args: dict, rng_tracker=None) -> str:
-    """Write ``<save>/iter_<iteration, 7 digits>`` for this rank's (tp, pp) and update the tracker.
+def save_checkpoint(cfg: CheckpointConfig, iteration: int, model: torch.nn.Module | Sequence[torch.nn.Module],
+                    optimizer, scheduler, *, consumed_samples: int, args: dict, rng_tracker=None) -> str:
+    """Write ``<save>/iter_<iteration, 7 digits>`` for this rank's (tp, pp) and update the tracker. ``model``:
+    the stage's model, or the list of its model chunks (the interleaved schedule), as Megatron-LM takes it.
 
     All ranks must call it.
 
@@ -211,9 +217,10 @@ def _check_mesh(root: str, iteration: int, mesh: _Mesh) -> None:
         "size works with --no-load-rng), or export the weights with tools/checkpoint/convert_to_hf.py")
 
 
-def load_checkpoint(cfg: CheckpointConfig, model: torch.nn.Module, optimizer, scheduler,
+def load_checkpoint(cfg: CheckpointConfig, model: torch.nn.Module | Sequence[torch.nn.Module], optimizer, scheduler,
                     rng_tracker=None) -> tuple[int, int]:
-    """Restore the checkpoint named by ``<load>/latest_checkpointed_iteration.txt``.
+    """Restore the checkpoint named by ``<load>/latest_checkpointed_iteration.txt`` into ``model`` (a model or the
+    list of its chunks, as ``save_checkpoint`` takes it).
 
     Returns (iteration, consumed_samples); (0, 0) when there is nothing to load or with --finetune.
     """
@@ -227,7 +234,7 @@ def load_checkpoint(cfg: CheckpointConfig, model: torch.nn.Module, optimizer, sc
     _check_mesh(cfg.load, iteration, mesh)
     path = checkpoint_file(cfg.load, iteration, mesh.tp_rank, mesh.pp_rank, mesh.pp)
     state = load_file(path)
-    chunks, keys = model_chunks(_unwrap(model)), model_keys(state)
+    chunks, keys = _chunks(model), model_keys(state)
     if len(keys) != len(chunks):
         raise CheckpointError(f"{path} holds {len(keys)} model chunk(s) per pipeline stage but this run has "
                               f"{len(chunks)}: relaunch with --virtual-pipeline-model-parallel-size {len(keys)} "
