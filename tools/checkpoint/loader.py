@@ -3,8 +3,9 @@
 Any TP/PP, with or without interleaved model chunks: partitioned tensors are
 concatenated along their partition dim in tensor-parallel rank order (each rank
 holds a contiguous chunk of the full tensor), replicated ones are taken from tp
-rank 0, and chunk-local layer indices become global ones. The result uses the names of a GPTModel built with
-TP = PP = 1 ("full names"), the same convention a ZeRO consolidation tool writes.
+rank 0, and chunk-local layer indices become global ones. The result uses the
+names of a GPTModel built with TP = PP = 1 ("full names"), the same convention a
+ZeRO consolidation tool writes.
 Files are opened one at a time with mmap, so only the model weights are read.
 """
 from __future__ import annotations
