@@ -10,11 +10,9 @@ The configurations (--systems), each its own torchrun job per trial, 2 ranks (--
 
 - ours-dp[-full]: ``pretrain_gpt.py --deepspeed`` (zero_cache ZeRO-3) without context parallelism: data
   parallel, each rank a whole sequence of its own (``-full``: ``--recompute-granularity full``).
-- ours-cp-p2p / ours-cp-a2a [-selective / -full] / ours-cp-allgather: ``--context-parallel-size`` --cp
-  ``--cp-comm-type p2p`` (ring attention), ``a2a`` (all-to-all between sequence and heads) or ``allgather``
-  (every rank gathers the whole sequence's keys and values), each sequence split over --cp ranks.
-  While the trainer does not implement a flag it rejects it with one ``error:`` line: such a row says
-  "not available" with that line and the benchmark goes on.
+- ours-cp-p2p / -a2a [-selective / -full] / -allgather: ``--context-parallel-size`` --cp with that
+  ``--cp-comm-type``, each sequence split over --cp ranks. A flag the trainer rejects (its one ``error:``
+  line) makes the row "not available" with that line, and the benchmark goes on.
 - deepspeed-ulysses[-full]: benchmarks/peer_workers/deepspeed_ulysses.py in the peers' venv: the same GPT in
   plain torch modules (our parameter names and initial values), its attention core wrapped in DeepSpeed's
   ``deepspeed.sequence.layer.DistributedAttention``, each sequence split over --cp ranks, DeepSpeed ZeRO-3
