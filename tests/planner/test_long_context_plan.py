@@ -258,7 +258,8 @@ def _json(argv: list[str], capsys) -> tuple[int, dict]:
     SMALL + GPU_NODE + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2"],
     SMALL + GPU_NODE + ["--context-parallel-size", "4", "--cp-comm-type", "a2a", "--recompute-granularity",
                         "selective", "--offload", "none"],
-], ids=["cpu", "gpu tp2 sp cp2", "gpu cp4 a2a selective"])
+    SMALL + GPU_NODE + ["--context-parallel-size", "4", "--cp-comm-type", "allgather"],
+], ids=["cpu", "gpu tp2 sp cp2", "gpu cp4 a2a selective", "gpu cp4 allgather"])
 def test_longest_seq_fits_and_the_next_step_does_not(argv, capsys):
     code, plan = _json(argv + ["--longest-seq"], capsys)
     longest = plan["longest_seq"]
