@@ -166,7 +166,9 @@ def attention_bytes(cfg: TransformerConfig, setup: ActivationSetup) -> float:
         # projection copies the output into the sequence layout.
         return (core_inputs + 2 * ad) * e + lse
     if setup.cp > 1 and setup.cp_comm_type == "allgather":
-        return _all_gather_attention_bytes(cfg, setup, q_view)
+        # All-gather: the queries (or the QKV output they are a view of), the whole sequence's keys and values (CP x
+        # this rank's, un-repeated), the output and the projection's copy of it, the LSE.
+        return ((qkv_out if q_view else ad) + 2 * setup.cp * gd + 2 * ad) * e + lse
     ulysses = setup.cp > 1
     if not _flash_attention(cfg, setup):
         # The math kernel: fp32 copies of q, k, v (in fp32 Ulysses' v is a view of the exchanged q, k, v, which
@@ -181,17 +183,6 @@ def attention_bytes(cfg: TransformerConfig, setup: ActivationSetup) -> float:
     views = q_view or not grouped
     inputs = (qkv_out if views else 0) + (0 if q_view else ad) + (2 * ad if grouped else ad if rope else 0)
     return (inputs + ad) * e + lse
-
-
-def _all_gather_attention_bytes(cfg: TransformerConfig, setup: ActivationSetup, q_view: bool) -> float:
-    """All-gather context parallelism per token of this rank: the queries (or the QKV output they are a view of),
-    the whole sequence's keys and values (CP x this rank's, their own head count), the output and the
-    projection's copy of it, and the LSE."""
-    e, t = _dtype_bytes(cfg, setup), setup.tp
-    heads, d = cfg.num_attention_heads // t, cfg.kv_channels
-    ad, gd = heads * d, cfg.num_query_groups // t * d
-    queries = (ad + 2 * gd) if q_view else ad
-    return (queries + 2 * setup.cp * gd + 2 * ad) * e + heads * FP32
 
 
 def mlp_bytes(cfg: TransformerConfig, setup: ActivationSetup, ffn: int | None = None) -> float:

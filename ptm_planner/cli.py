@@ -26,9 +26,10 @@ import psutil
 import torch
 
 from megatron.core.parallel_state import ParallelConfigError, check_expert_parallel_size
+from megatron.core.transformer_config import CP_COMM_TYPES, CP_COMM_TYPES_WITHOUT_DROPOUT
 from megatron.training.arguments import ConfigError as MegatronConfigError
 from megatron.training.arguments.model import add_model_args, model_config_from_args
-from ptm_planner.activations import CP_COMM_TYPES, ActivationLayout
+from ptm_planner.activations import ActivationLayout
 from ptm_planner.all_to_all import AllToAll, all_to_all
 from ptm_planner.family import Plan, growth, largest, plan
 from ptm_planner.longest_seq import longest_seq, seq_step
@@ -161,7 +162,7 @@ def layout_from_args(args: argparse.Namespace, mesh: Mesh) -> ActivationLayout:
     if cp > 1 and mesh.ep > 1:
         raise ValueError("expert parallelism with context parallelism is not supported; use "
                          "--expert-model-parallel-size 1 or --context-parallel-size 1")
-    if cp > 1 and args.cp_comm_type in ("p2p", "allgather") and args.attention_dropout > 0:
+    if cp > 1 and args.cp_comm_type in CP_COMM_TYPES_WITHOUT_DROPOUT and args.attention_dropout > 0:
         raise ValueError(f"--attention-dropout {args.attention_dropout} with --cp-comm-type {args.cp_comm_type} (its "
                          "block kernels take no dropout): set --attention-dropout 0, or use --cp-comm-type a2a")
     if cp > 1 and args.cp_comm_type == "a2a" and (args.num_attention_heads // tp) % cp:

@@ -12,6 +12,7 @@ from megatron.core.moe.config import MoEConfig
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Context-parallel attention (megatron/core/context_parallel/): ring, all-to-all (Ulysses), gathered keys/values.
 CP_COMM_TYPES = ("p2p", "a2a", "allgather")
+CP_COMM_TYPES_WITHOUT_DROPOUT = ("p2p", "allgather")  # their block kernels take no attention dropout
 
 
 @dataclass(frozen=True)

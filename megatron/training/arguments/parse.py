@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import os
 
+from megatron.core.transformer_config import CP_COMM_TYPES_WITHOUT_DROPOUT
 from megatron.training.arguments.checkpoint import (
     add_checkpoint_args,
     apply_checkpoint_args,
@@ -131,7 +132,7 @@ def _check_sequence_split(model: ModelConfig, parallel: ParallelConfig) -> None:
                          f"of {pieces}")
     if cp == 1:
         return
-    if parallel.cp_comm_type in ("p2p", "allgather") and model.attention_dropout > 0:
+    if parallel.cp_comm_type in CP_COMM_TYPES_WITHOUT_DROPOUT and model.attention_dropout > 0:
         raise ValueError(f"--attention-dropout {model.attention_dropout} with --cp-comm-type "
                          f"{parallel.cp_comm_type} (its block kernels take no dropout): set --attention-dropout 0, "
                          "or use --cp-comm-type a2a")
