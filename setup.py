@@ -18,7 +18,6 @@ setup(
     py_modules=["pretrain_gpt"],
     install_requires=[line.strip() for line in Path(__file__).with_name("requirements.txt").read_text().splitlines()
                       if line.strip() and not line.startswith("#")],
-    extras_require={"hf": ["transformers==5.24.0"]},  # tools/checkpoint/convert_to_hf.py
     entry_points={"console_scripts": [
         "ptm-launch=ptm_launch.runner:main",
         "ptm-preprocess=megatron.data.preprocess.cli:main",

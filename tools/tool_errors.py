@@ -4,17 +4,19 @@ megatron/training/errors.py): a missing or unreadable file, a path under a file,
     with one_line_errors("zero_to_fp32.py", "give the --save directory of a pretrain_gpt.py run", CheckpointError):
         ...
 
-Exceptions of other types are bugs and keep their traceback. Standard library only: the tools that need no torch
-import it too.
+A third-party package that is not installed is one line naming it and the fix too. Exceptions of other types are
+bugs and keep their traceback. Standard library only: the tools that need no torch import it too.
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from typing import Iterator, NoReturn
 
 EXIT_BAD_INPUT = 2
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def fail(prog: str, message: str) -> NoReturn:
@@ -42,6 +44,12 @@ def one_line_errors(prog: str, fix: str, *more: type[BaseException]) -> Iterator
     errors name their fix; a file that cannot be read or written, or text that does not decode, gets ``fix``."""
     try:
         yield
+    except ModuleNotFoundError as exc:
+        top = (exc.name or "").partition(".")[0]
+        if not top or os.path.exists(os.path.join(REPOSITORY, top)):
+            raise  # a module of this repository that is missing is a bug
+        fail(prog, f"the Python package '{top}' is not installed; install the requirements: "
+                   f"pip install -r {os.path.join(REPOSITORY, 'requirements.txt')}")
     except (OSError, ValueError, *more) as exc:
         # The OS's own errors carry the file name; a tool's own FileNotFoundError says its fix already.
         bare = isinstance(exc, (UnicodeDecodeError, json.JSONDecodeError)) or \

@@ -3,6 +3,9 @@
     python tools/checkpoint/convert_to_hf.py --load CKPT_DIR [--iteration N] --output HF_DIR
     python tools/checkpoint/convert_to_hf.py --state-dict full_fp32.pt|CONSOLIDATED_DIR --args-from CKPT_DIR|args.json \
         --output HF_DIR
+    # the run's tokenizer files moved: name them with the trainer's flags (--tokenizer-type, --vocab-file,
+    # --merge-file, --tokenizer-model, --vocab-size), which replace what the checkpoint's args record
+    python tools/checkpoint/convert_to_hf.py --load CKPT_DIR --output HF_DIR --vocab-file V.json --merge-file M.txt
 
 GPT-2 blocks (learned positions, LayerNorm, GELU, biases) become ``GPT2LMHeadModel``; Llama blocks (RoPE, RMSNorm,
 SwiGLU, optional GQA / untied head) become ``LlamaForCausalLM``; mixture-of-experts models become
@@ -10,7 +13,8 @@ SwiGLU, optional GQA / untied head) become ``LlamaForCausalLM``; mixture-of-expe
 layers allowed), written with one matrix per expert as ``save_pretrained`` does. The model's shape comes from the
 checkpoint's ``args``. A distributed checkpoint (the default format) and a consolidated directory are read one
 tensor at a time and written in safetensors shards of at most ``--max-shard-size``, so memory is a shard, never the
-model.
+model. The tokenizer the run trained with (hf_tokenizer.py) is written beside them, and its bos / eos / pad ids go
+into config.json and generation_config.json.
 """
 from __future__ import annotations
 
@@ -25,12 +29,16 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 
 from megatron.core.transformer_config import TransformerConfig
+from megatron.tokenizer import TokenizerConfig
+from megatron.training.arguments.tokenizer import add_tokenizer_args
 from tools.checkpoint.hf_mapping import hf_config, hf_tensors
+from tools.checkpoint.hf_tokenizer import export_tokenizer
 from tools.checkpoint.loader import load_args_from, model_config_from_args, open_checkpoint, open_state_dict
 from tools.tool_errors import one_line_errors
 from zero_cache.checkpoint import CheckpointError
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+RECORDED_TOKENIZER = TokenizerConfig()  # no field set: the tokenizer the checkpoint's args record
 
 
 def _parse_size(text: str) -> int:
@@ -42,11 +50,25 @@ def _parse_size(text: str) -> int:
     return int(t)
 
 
-def write_hf(output: str, cfg: TransformerConfig, vocab_size: int, ours, max_shard_bytes: int) -> int:
-    """Write config.json and the weights as safetensors shards; returns the parameter count."""
+def _new_file_mode() -> int:
+    """The mode ``open()`` gives a new file: 0666 less the umask (which can only be read by setting it)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def write_hf(output: str, cfg: TransformerConfig, vocab_size: int, ours, max_shard_bytes: int,
+             token_ids: dict[str, int | None]) -> int:
+    """Write config.json and generation_config.json with ``token_ids`` (bos / eos / pad) and the weights as
+    safetensors shards; returns the parameter count."""
     from safetensors.torch import save_file
+    from transformers import GenerationConfig
     os.makedirs(output, exist_ok=True)
-    hf_config(cfg, vocab_size).save_pretrained(output)
+    config = hf_config(cfg, vocab_size)
+    config.update(token_ids)
+    config.save_pretrained(output)
+    GenerationConfig(**token_ids).save_pretrained(output)
+    mode = _new_file_mode()
     shards: list[dict[str, str]] = []  # tensor names per shard
     shard: dict[str, torch.Tensor] = {}
     size, total = 0, 0
@@ -54,8 +76,9 @@ def write_hf(output: str, cfg: TransformerConfig, vocab_size: int, ours, max_sha
     def flush():
         nonlocal shard, size
         if shard:
-            save_file(shard, os.path.join(output, f"model-{len(shards) + 1:05d}.safetensors.tmp"),
-                      metadata={"format": "pt"})
+            path = os.path.join(output, f"model-{len(shards) + 1:05d}.safetensors.tmp")
+            save_file(shard, path, metadata={"format": "pt"})
+            os.chmod(path, mode)  # safetensors writes through a private (0600) temporary file
             shards.append(list(shard))
         shard, size = {}, 0
 
@@ -82,9 +105,15 @@ def write_hf(output: str, cfg: TransformerConfig, vocab_size: int, ours, max_sha
     return total
 
 
+def _warn(message: str) -> None:
+    print(f"convert_to_hf.py: warning: {message}", file=sys.stderr, flush=True)
+
+
 def convert(output: str, *, load: str | None = None, iteration: int | None = None, state_dict: str | None = None,
-            args_from: str | None = None, max_shard_size: str = "2GB") -> str:
-    """Read a checkpoint (or a consolidated state dict + args) and write a Hugging Face model to ``output``.
+            args_from: str | None = None, max_shard_size: str = "2GB",
+            tokenizer: TokenizerConfig = RECORDED_TOKENIZER) -> str:
+    """Read a checkpoint (or a consolidated state dict + args) and write a Hugging Face model to ``output``, with
+    the tokenizer the checkpoint's args name (the fields ``tokenizer`` sets replace theirs).
 
     Returns the Hugging Face architecture written."""
     if (load is None) == (state_dict is None):
@@ -102,7 +131,10 @@ def convert(output: str, *, load: str | None = None, iteration: int | None = Non
             args = load_args_from(args_from)
     cfg = model_config_from_args(args)
     vocab = int(args.get("true_vocab_size") or cfg.padded_vocab_size)
-    count = write_hf(output, cfg, vocab, ours, _parse_size(max_shard_size))
+    exported = export_tokenizer(args, tokenizer, vocab, cfg.max_position_embeddings, _warn)
+    count = write_hf(output, cfg, vocab, ours, _parse_size(max_shard_size), exported.token_ids if exported else {})
+    if exported is not None and exported.hf is not None:
+        exported.hf.save_pretrained(output)
     arch = hf_config(cfg, vocab).architectures[0]
     print(f"> wrote {arch} ({count / 1e6:.2f}M parameters) to {output}", flush=True)
     return arch
@@ -117,11 +149,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--args-from", help="checkpoint directory or JSON file with the model args (for --state-dict)")
     p.add_argument("--output", required=True, help="Hugging Face model directory to write")
     p.add_argument("--max-shard-size", default="2GB", help="largest safetensors file, e.g. 500MB, 2GB (default)")
+    add_tokenizer_args(p)  # the trainer's flags; each one given replaces what the checkpoint's args record
     a = p.parse_args(argv)
     fix = "give a checkpoint directory (--load) or a state dict with --args-from, and a writable --output"
     with one_line_errors("convert_to_hf.py", fix, CheckpointError):
         convert(a.output, load=a.load, iteration=a.iteration, state_dict=a.state_dict, args_from=a.args_from,
-                max_shard_size=a.max_shard_size)
+                max_shard_size=a.max_shard_size,
+                tokenizer=TokenizerConfig(tokenizer_type=a.tokenizer_type, vocab_file=a.vocab_file,
+                                          merge_file=a.merge_file, tokenizer_model=a.tokenizer_model,
+                                          vocab_size=a.vocab_size))
 
 
 if __name__ == "__main__":
