@@ -21,6 +21,7 @@ _hash="$( { cat "$_root/requirements.txt" "$_root/requirements-dev.txt" "$_root/
 if [ ! -f "$_stamp" ] || [ "$(cat "$_stamp")" != "$_hash" ]; then
   echo "[bootstrap] setting up $_venv"
   if [ ! -x "$_venv/bin/python" ]; then
+    echo "[bootstrap] creating the virtual environment"
     if ! "$_python" -c "import sys; sys.exit(sys.version_info < (3, 10))" 2>/dev/null; then
       echo "[bootstrap] error: '$_python' is not a Python >= 3.10 that runs here; install one or set PTM_PYTHON" >&2
       return 1 2>/dev/null || exit 1
@@ -34,7 +35,15 @@ if [ ! -f "$_stamp" ] || [ "$(cat "$_stamp")" != "$_hash" ]; then
   fi
   _log="$_venv/.ptm-pip.log"  # pip's output; errors name it instead of printing pip's report
   : > "$_log"
-  _pip=("$_venv/bin/python" -m pip install -q --disable-pip-version-check)
+  _pip=("$_venv/bin/python" -m pip install --disable-pip-version-check)
+  # pip's whole output goes to the log; the terminal gets one line per package pip fetches ("Collecting ...").
+  _bootstrap_pip() {
+    local _line
+    "${_pip[@]}" "$@" 2>&1 | tee -a "$_log" | while IFS= read -r _line; do
+      case "$_line" in "Collecting "*) _line="${_line#Collecting }"; echo "[bootstrap]   ${_line%% *}" ;; esac
+    done
+    return "${PIPESTATUS[0]}"
+  }
   _complete=1
   # "<version> <True if torch lives in this venv>", empty without torch.
   _torch="$("$_venv/bin/python" -c 'import os, sys, torch
@@ -44,7 +53,8 @@ print(torch.__version__.split("+")[0], os.path.realpath(torch.__file__).startswi
     "$_torch_pin "* | *" False") ;;  # the pin, or the machine's own torch: kept
     *)
       # On CPU-only machines this is the CPU build that lies on disk here.
-      if ! "${_pip[@]}" "torch==$_torch_pin" >>"$_log" 2>&1; then
+      echo "[bootstrap] installing torch==$_torch_pin (the largest download; pip's output: $_log)"
+      if ! _bootstrap_pip "torch==$_torch_pin"; then
         if [ -z "$_torch" ]; then
           echo "[bootstrap] error: torch is not installed in $_venv and pip could not install torch==$_torch_pin" \
             "(no package index reachable? pip's output: $_log); install torch, or set PTM_PYTHON to a Python that" \
@@ -59,14 +69,16 @@ print(torch.__version__.split("+")[0], os.path.realpath(torch.__file__).startswi
   esac
   _reqs=("$_root/requirements.txt")
   if [ -n "$_want_dev" ]; then _reqs+=("$_root/requirements-dev.txt"); fi
-  if ! "${_pip[@]}" "${_reqs[@]/#/--requirement=}" >>"$_log" 2>&1; then
+  echo "[bootstrap] installing the requirements (${_reqs[*]##*/})"
+  if ! _bootstrap_pip "${_reqs[@]/#/--requirement=}"; then
     # Offline or a pin pip cannot get: go on with the installed packages when every required one is there.
     if ! "$_venv/bin/python" "$_root/scripts/check_requirements.py" --log "$_log" "${_reqs[@]}"; then
       return 1 2>/dev/null || exit 1
     fi
     _complete=0
   fi
-  if ! "${_pip[@]}" --no-deps --no-build-isolation -e "$_root" >>"$_log" 2>&1; then
+  echo "[bootstrap] installing this project (editable)"
+  if ! _bootstrap_pip --no-deps --no-build-isolation -e "$_root"; then
     echo "[bootstrap] error: could not install this project editable into $_venv (pip's output: $_log); it needs" \
       "setuptools>=64 there, from the machine or a package index" >&2
     return 1 2>/dev/null || exit 1

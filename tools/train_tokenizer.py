@@ -59,8 +59,9 @@ def iter_texts(patterns: list[str], json_keys: list[str]) -> Iterator[str]:
 def train_bpe(texts: Iterator[str], vocab_size: int, min_frequency: int, output_dir: str) -> list[str]:
     """Byte-level BPE with GPT-2's pre-tokenisation and <|endoftext|>; GPT-2 style vocab.json + merges.txt."""
     tokenizer = ByteLevelBPETokenizer(add_prefix_space=False)
+    # The trainer's progress bar redraws a terminal line; elsewhere (a pipe, a log) it leaves only blank lines.
     tokenizer.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=min_frequency,
-                                  special_tokens=[EOD_TOKEN], show_progress=True)
+                                  special_tokens=[EOD_TOKEN], show_progress=sys.stderr.isatty())
     with tempfile.TemporaryDirectory(dir=output_dir) as tmp:
         tokenizer.save_model(tmp)
         tokenizer.save(os.path.join(tmp, "tokenizer.json"))
