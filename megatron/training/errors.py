@@ -32,6 +32,7 @@ from megatron.data.errors import DataError, OtherRankDataError
 from megatron.training.arguments import ConfigError
 from megatron.training.attention_backend import AttentionBackendError
 from megatron.training.lr_scheduler import SchedulerMismatchError
+from megatron.training.run_log import LogFileError
 from zero_cache import SSDTierError, ZeroConfigError
 from zero_cache.checkpoint import CheckpointError
 
@@ -40,7 +41,7 @@ T = TypeVar("T")
 EXIT_BAD_INPUT = 2
 EXIT_OTHER_RANK_FAILED = 1
 USER_ERRORS = (ConfigError, ParallelConfigError, CheckpointError, SSDTierError, ZeroConfigError, DataError,
-               SchedulerMismatchError, AttentionBackendError)
+               SchedulerMismatchError, AttentionBackendError, LogFileError)
 # What gloo, NCCL and the c10d store say when the peer at the other end of a collective is gone or silent.
 _PEER_LOST_RE = re.compile(
     r"connection (closed|reset) by peer|broken pipe|connection refused|socket timeout|timed out|timeout|"

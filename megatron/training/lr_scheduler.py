@@ -12,7 +12,9 @@ follows the samples seen also while the batch size ramps up; it writes
 On resume a schedule that differs from the checkpoint's is an error unless
 ``--override-opt_param-scheduler`` (the flags win) or
 ``--use-checkpoint-opt_param-scheduler`` (the checkpoint wins) says which one to
-follow: silently following the checkpoint's trains a longer run at ``min_lr``.
+follow: silently following the checkpoint's trains a longer run at ``min_lr``. Settings that neither
+schedule reads do not count: a constant learning rate has no decay length or ``min_lr``, so a constant-LR run
+resumes with a larger ``--train-iters`` / ``--train-samples`` as it is.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
+from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
@@ -145,14 +148,26 @@ class OptimizerParamScheduler:
         state["num_steps"] = self.num_steps
         return state
 
+    @staticmethod
+    def _unread(settings: Callable[[str], Any]) -> set[str]:
+        """The keys the schedule of ``settings`` (a config's or a checkpoint's, by key) never reads, so that a
+        resume that changes only them gives the same values at every step, past and future."""
+        unread = set()
+        if settings("lr_warmup_steps") == 0:
+            unread.add("init_lr")
+        if settings("lr_decay_style") == "constant":  # max_lr from the end of warm-up on, however long the run
+            unread |= {"lr_decay_steps", "min_lr"}
+        if settings("wd_incr_style") == "constant":  # end_wd (== start_wd) at every step
+            unread.add("wd_incr_steps")
+        return unread
+
     def _differences(self, state: dict) -> dict[str, tuple]:
-        """Key -> (checkpoint's, flags') for every setting that differs."""
+        """Key -> (checkpoint's, flags') for every setting that differs and that either schedule reads."""
         c = self.config
         diffs = {key: (state[key], getattr(c, key)) for key in self._SCHEDULE_KEYS
                  if key in state and state[key] != getattr(c, key)}
-        if c.wd_incr_style == "constant" and state.get("wd_incr_style", "constant") == "constant":
-            diffs.pop("wd_incr_steps", None)  # a constant weight decay does not depend on its length
-        return diffs
+        unread = self._unread(lambda key: getattr(c, key)) & self._unread(lambda key: state.get(key, getattr(c, key)))
+        return {key: values for key, values in diffs.items() if key not in unread}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume the step count; see the module's docstring for a schedule that differs from the checkpoint's."""

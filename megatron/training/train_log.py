@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import math
 import resource
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ import torch
 from megatron.training.scalar_writers import ScalarWriter, TensorBoardWriter, WandbWriter
 
 if TYPE_CHECKING:
+    from megatron.training.run_log import RunLog
     from zero_cache.comm import CommStepStats
 
 GIB = 1024 ** 3
@@ -37,6 +39,7 @@ class LogConfig:
     wandb_exp_name: str | None = None  # the W&B run's name
     wandb_save_dir: str | None = None  # where W&B keeps the run (None: W&B's default, ./wandb)
     wandb_entity: str | None = None  # the W&B team or user (None: W&B's default)
+    log_file: str | None = None  # the logging rank's log lines also go to this text file (run_log.py; None: none)
 
     def __post_init__(self):
         if self.tensorboard_queue_size < 1:
@@ -86,9 +89,10 @@ class IntervalStats:
 class TrainLogger:
     def __init__(self, *, train_iters: int, global_batch_size: int, seq_length: int, flops_per_token: float,
                  world_size: int, device: torch.device, tensorboard_dir: str | None, is_logging_rank: bool,
-                 log: LogConfig = LogConfig(), run_config: dict[str, Any] | None = None):
+                 log: LogConfig = LogConfig(), run_config: dict[str, Any] | None = None,
+                 run_log: RunLog | None = None):
         """``global_batch_size``: an iteration's samples unless ``record`` says otherwise; ``run_config``: the
-        run's flags, stored with the W&B run."""
+        run's flags, stored with the W&B run; ``run_log``: where the logging rank's lines go (None: stdout)."""
         self.train_iters, self.gbs, self.seq = train_iters, global_batch_size, seq_length
         self.flops_per_token, self.world_size, self.device = flops_per_token, world_size, device
         self.is_logging_rank, self.cfg = is_logging_rank, log
@@ -98,13 +102,18 @@ class TrainLogger:
         if is_logging_rank and log.wandb_project:
             self.writers.append(WandbWriter(log.wandb_project, log.wandb_exp_name, log.wandb_save_dir,
                                             log.wandb_entity, run_config or {}))
+        self.run_log = run_log
         self.interval = IntervalStats()
         self.run_start = time.perf_counter()
         self.run_start_iteration: int | None = None
+        self.last_finite_loss: float | None = None  # for the run's summary line
+        self.interval_tokens_per_s: list[float] = []  # of every logged interval, for the summary line
 
     def record(self, loss: float | None, skipped: bool, samples: int | None = None) -> None:
         """One iteration: its loss, whether its update was skipped, its global batch (default: the constant one)."""
         self.interval.add(loss, skipped, self.gbs if samples is None else samples)
+        if loss is not None and math.isfinite(loss):
+            self.last_finite_loss = loss
 
     def log(self, iteration: int, consumed_samples: int, lr: float, loss_scale: float, grad_norm: float | None,
             extra_memory: dict[str, float] | None = None, comm: CommStepStats | None = None,
@@ -117,6 +126,7 @@ class TrainLogger:
             self.run_start_iteration = iteration - s.iters
         per_iter = (now - s.start) / max(s.iters, 1)
         tokens_per_s = s.samples * self.seq / max(now - s.start, 1e-9)
+        self.interval_tokens_per_s.append(tokens_per_s)
         tflops = tokens_per_s * self.flops_per_token / self.world_size / 1e12
         done = iteration - self.run_start_iteration
         eta = (now - self.run_start) / max(done, 1) * (self.train_iters - iteration)
@@ -166,9 +176,19 @@ class TrainLogger:
             self._write(scalars, iteration)
         self.interval = IntervalStats()
         if self.is_logging_rank:
-            print(line, flush=True)
+            self._print(line)
             return line
         return None
+
+    def median_tokens_per_s(self) -> float | None:
+        """The median over the logged intervals (the first one's start-up counts once); None before any."""
+        return statistics.median(self.interval_tokens_per_s) if self.interval_tokens_per_s else None
+
+    def _print(self, text: str) -> None:
+        if self.run_log is not None:
+            self.run_log.print(text)
+        else:
+            print(text, flush=True)
 
     def _write(self, scalars: dict[str, float | None], iteration: int) -> None:
         present = {tag: value for tag, value in scalars.items() if value is not None}
@@ -189,8 +209,8 @@ class TrainLogger:
         if not self.is_logging_rank:
             return
         ppl = math.exp(min(20.0, loss))
-        print("-" * 100 + f"\n {split} loss at iteration {iteration} | lm loss value: {loss:.6E} | "
-              f"lm loss PPL: {ppl:.6E} |\n" + "-" * 100, flush=True)
+        self._print("-" * 100 + f"\n {split} loss at iteration {iteration} | lm loss value: {loss:.6E} | "
+                    f"lm loss PPL: {ppl:.6E} |\n" + "-" * 100)
         scalars = {f"lm loss {split}": loss}
         if self.cfg.log_validation_ppl:
             scalars[f"lm loss {split} ppl"] = ppl

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -30,6 +31,7 @@ from megatron.training.exit_conditions import ExitConditions, ExitSignal
 from megatron.training.housekeeping import Housekeeping
 from megatron.training.initialize import initialize_distributed, set_random_seed
 from megatron.training.lr_scheduler import OptimizerParamScheduler
+from megatron.training.run_log import RunLog, summary_line
 from megatron.training.train_log import TrainLogger
 
 
@@ -96,6 +98,7 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
              forward_step_provider: Callable[..., ForwardStepFunc]) -> TrainResult:
     """Train ``model_provider(model_cfg, rng_tracker)`` on ``datasets_provider(cfg, tokenizer, seq, samples)``,
     one micro-batch at a time through ``forward_step_provider(cfg, tokenizer, device)``."""
+    started = time.perf_counter()  # the summary's elapsed time: set-up included
     # First: a SIGTERM / SIGUSR1 during start-up is recorded and ends the run after its first step, saved.
     exit_signal = ExitSignal() if cfg.train.exit_signal_handler else None
     device = initialize_distributed(cfg.parallel)
@@ -146,30 +149,31 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
     if par.sequence_parallel:
         local_seq //= par.tensor_model_parallel_size
     spec = p2p.TensorSpec((par.micro_batch_size, local_seq, model_cfg.hidden_size), model_cfg.params_dtype, device)
+    is_logging_rank = dist.get_rank() == dist.get_world_size() - 1
+    run_log = RunLog(cfg.log.log_file, enabled=is_logging_rank)
     logger = TrainLogger(train_iters=t.train_iters, global_batch_size=par.global_batch_size,
                          seq_length=model_cfg.seq_length, flops_per_token=model_cfg.flops_per_token(),
                          world_size=dist.get_world_size(), device=device, tensorboard_dir=t.tensorboard_dir,
-                         is_logging_rank=dist.get_rank() == dist.get_world_size() - 1, log=cfg.log,
-                         run_config=dict(cfg.flags))
-    if logger.is_logging_rank:
+                         is_logging_rank=is_logging_rank, log=cfg.log, run_config=dict(cfg.flags), run_log=run_log)
+    if is_logging_rank:
         active = (f" ({model_cfg.num_parameters(active=True) / 1e6:.2f}M active per token, "
                   f"EP={par.expert_model_parallel_size})" if model_cfg.moe is not None else "")
-        print(f"> model: {model_cfg.num_parameters() / 1e6:.2f}M parameters{active}, mesh "
-              f"TP={par.tensor_model_parallel_size}{'+SP' if par.sequence_parallel else ''} "
-              f"PP={par.pipeline_model_parallel_size}"
-              f"{f' (v={par.virtual_stages})' if par.virtual_stages > 1 else ''} "
-              f"{f'CP={par.context_parallel_size} ({par.cp_comm_type}) ' if par.context_parallel_size > 1 else ''}"
-              f"DP={par.data_parallel_size}, "
-              f"{par.num_microbatches} "
-              f"micro-batches of {par.micro_batch_size} per step, starting at iteration {iteration}", flush=True)
+        cp = f"CP={par.context_parallel_size} ({par.cp_comm_type}) " if par.context_parallel_size > 1 else ""
+        run_log.print(f"> model: {model_cfg.num_parameters() / 1e6:.2f}M parameters{active}, mesh "
+                      f"TP={par.tensor_model_parallel_size}{'+SP' if par.sequence_parallel else ''} "
+                      f"PP={par.pipeline_model_parallel_size}"
+                      f"{f' (v={par.virtual_stages})' if par.virtual_stages > 1 else ''} {cp}"
+                      f"DP={par.data_parallel_size}, {par.num_microbatches} "
+                      f"micro-batches of {par.micro_batch_size} per step, starting at iteration {iteration}")
         if offload is not None and not offload.moves_anything:
-            print("> --cpu-offloading: no accelerator here (host and device are one memory), activations stay "
-                  "where they are", flush=True)
+            run_log.print("> --cpu-offloading: no accelerator here (host and device are one memory), activations "
+                          "stay where they are")
     ck = cfg.checkpoint
     exits = ExitConditions(signal_handler=exit_signal or False, duration_mins=t.exit_duration_in_mins,
                            save_interval_mins=ck.save_interval_minutes, group=checkpoints.group)
     housekeeping = Housekeeping(cfg.housekeeping, device, dist.get_rank())
     result = TrainResult(iteration=iteration, model=model, backend=backend)
+    first_iteration = iteration + 1  # of this run, for its summary
     routers = model.moe_routers()
     backend.model.train()
     last_grad_norm = None
@@ -213,9 +217,8 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
                 checkpoints.save(iteration, consumed)
                 saved_at = iteration
             if decision.stop:
-                if logger.is_logging_rank:
-                    saved = f"after saving it to {ck.save}" if ck.save else "without a checkpoint (no --save)"
-                    print(f"> {decision.reason}: stopping at iteration {iteration} {saved}", flush=True)
+                saved = f"after saving it to {ck.save}" if ck.save else "without a checkpoint (no --save)"
+                run_log.print(f"> {decision.reason}: stopping at iteration {iteration} {saved}")
                 break
             if t.exit_interval and iteration % t.exit_interval == 0:
                 break
@@ -227,6 +230,11 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
     logger.close()
     housekeeping.close()
     result.iteration = iteration
-    if any(not math.isfinite(v) for v in result.losses.values()) and logger.is_logging_rank:
-        print("WARNING: non-finite losses were seen during training", flush=True)
+    if any(not math.isfinite(v) for v in result.losses.values()):
+        run_log.print("WARNING: non-finite losses were seen during training")
+    # Last, after the final save: also when a signal, the time limit or --exit-interval ended the loop.
+    run_log.print(summary_line(first_iteration=first_iteration, last_iteration=iteration,
+                               final_loss=logger.last_finite_loss, tokens_per_s=logger.median_tokens_per_s(),
+                               elapsed_s=time.perf_counter() - started, checkpoint=ck.save, log_path=run_log.path))
+    run_log.close()
     return result

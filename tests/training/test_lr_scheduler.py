@@ -168,3 +168,34 @@ def test_scheduler_from_args_errors():
     with pytest.raises(ValueError, match="contradict"):
         scheduler_config_from_args(_parse(["--override-opt_param-scheduler",
                                            "--use-checkpoint-opt_param-scheduler"]), 100, 1, 1)
+
+
+def test_a_constant_learning_rate_ignores_its_length():
+    """A longer run moves the decay length (and may come with another --min-lr), which a constant learning rate
+    does not read: the resume is taken and every step's lr, past and future, is the checkpoint's."""
+    saved = _scheduler("constant")
+    saved.step(42)
+    longer = _scheduler("constant", lr_decay_steps=3 * DECAY, min_lr=0.0, wd_incr_steps=3 * DECAY)
+    longer.load_state_dict(saved.state_dict())
+    assert longer.num_steps == 42 and longer.config.lr_decay_steps == 3 * DECAY
+    for step in (0, 5, WARMUP, 42, DECAY, 2 * DECAY, 3 * DECAY + 1):
+        assert _lr_at(longer, step) == _lr_at(saved, step), step
+
+
+@pytest.mark.parametrize("style", ["linear", "cosine"])
+def test_a_decaying_learning_rate_still_needs_a_choice_for_a_longer_run(style):
+    state = _scheduler(style).state_dict()
+    with pytest.raises(SchedulerMismatchError, match=f"lr_decay_steps {DECAY} in the checkpoint, {2 * DECAY} from "):
+        _scheduler(style, lr_decay_steps=2 * DECAY).load_state_dict(state)
+    with pytest.raises(SchedulerMismatchError, match="lr_decay_style 'constant' in the checkpoint, 'cosine' from"):
+        _scheduler("cosine", lr_decay_steps=2 * DECAY).load_state_dict(_scheduler("constant").state_dict())
+    # A warm-up that changes with the run's length (--lr-warmup-fraction) changes past values: still refused.
+    with pytest.raises(SchedulerMismatchError, match="lr_warmup_steps 10 in the checkpoint, 20 from"):
+        _scheduler("constant", lr_warmup_steps=2 * WARMUP).load_state_dict(_scheduler("constant").state_dict())
+
+
+def test_without_warm_up_the_warm_up_start_is_not_read():
+    state = _scheduler("cosine", lr_warmup_steps=0).state_dict()
+    _scheduler("cosine", lr_warmup_steps=0, init_lr=0.0).load_state_dict(state)
+    with pytest.raises(SchedulerMismatchError, match="init_lr 1e-05 in the checkpoint, 0 from the flags"):
+        _scheduler("cosine", init_lr=0.0).load_state_dict(_scheduler("cosine").state_dict())

@@ -147,4 +147,4 @@ def test_save_interval_minutes_saves_on_the_clock(tmp_path):
     code, out = run(BASE + ["--save", ckpt, "--save-interval-minutes", "0.00001", "--train-iters", "3"])
     assert code == 0, out
     assert sorted(os.listdir(ckpt)) == ["iter_0000001", "iter_0000002", "iter_0000003",
-                                        "latest_checkpointed_iteration.txt"]
+                                        "latest_checkpointed_iteration.txt", "logs"]

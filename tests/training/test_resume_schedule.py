@@ -97,3 +97,15 @@ def test_use_checkpoint_args_takes_the_models_shape_from_the_checkpoint(trained_
     assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length) == (4, 32, 4, 16)
     m = parse_args(argv + ["--hidden-size", "64"], world_size=1).model  # the checkpoint's shape wins, as in Megatron
     assert m.hidden_size == 32
+
+
+def test_a_constant_learning_rate_run_extends_with_a_larger_train_iters(tmp_path):
+    """Nothing in a constant schedule depends on the run's length: saved at iteration 4, the run goes on to 8
+    without a schedule flag, at the same learning rate (cosine's refusal above is unchanged)."""
+    ckpt = tmp_path / "ckpt"
+    first = run_distributed(_train, 1, _with(_argv(ckpt, 4), "--lr-decay-style", "constant"))[0]
+    assert sorted(first) == [1, 2, 3, 4]
+    longer = _with(_with(_argv(ckpt, 8), "--lr-decay-style", "constant"), "--min-lr", "0")  # min-lr: not read
+    lrs = run_distributed(_train, 1, longer)[0]
+    assert sorted(lrs) == [5, 6, 7, 8]
+    assert all(lr == pytest.approx(LR, rel=1e-12) for lr in lrs.values()), lrs

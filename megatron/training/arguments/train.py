@@ -10,6 +10,7 @@ import os
 from megatron.training.batch_schedule import BatchSchedule
 from megatron.training.config import TrainConfig
 from megatron.training.housekeeping import HousekeepingConfig
+from megatron.training.run_log import default_log_file
 from megatron.training.train_log import LogConfig
 
 
@@ -36,6 +37,9 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g = parser.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--log-file", default=None, metavar="PATH",
+                   help="the logging rank also appends its log lines to this text file (default with --save or "
+                        "--tensorboard-dir: <that directory>/logs/train-<UTC time>.log; else stdout only)")
     g.add_argument("--tensorboard-queue-size", type=int, default=1000,
                    help="TensorBoard events held before they are written to disk")
     g.add_argument("--log-timers-to-tensorboard", action="store_true",
@@ -120,10 +124,16 @@ def log_config_from_args(args: argparse.Namespace) -> LogConfig:
     save_dir = args.wandb_save_dir
     if save_dir is None and args.save:
         save_dir = os.path.join(args.save, "wandb")
+    log_file = args.log_file
+    if log_file is not None and os.path.isdir(log_file):
+        raise ValueError(f"--log-file {log_file} is a directory; give a file path, e.g. {default_log_file(log_file)}")
+    if log_file is None and (args.save or args.tensorboard_dir):  # the run's directory: its checkpoints first
+        log_file = default_log_file(args.save or args.tensorboard_dir)
     return LogConfig(tensorboard_queue_size=args.tensorboard_queue_size,
                      log_timers=args.log_timers_to_tensorboard, log_batch_size=args.log_batch_size_to_tensorboard,
                      log_validation_ppl=args.log_validation_ppl_to_tensorboard, wandb_project=args.wandb_project,
-                     wandb_exp_name=args.wandb_exp_name, wandb_save_dir=save_dir, wandb_entity=args.wandb_entity)
+                     wandb_exp_name=args.wandb_exp_name, wandb_save_dir=save_dir, wandb_entity=args.wandb_entity,
+                     log_file=log_file)
 
 
 def housekeeping_config_from_args(args: argparse.Namespace) -> HousekeepingConfig:
