@@ -7,6 +7,7 @@
     ptm-plan --size 1.3b --bf16 --device cuda --device-memory-gib 80 --nproc-per-node 8 --tensor-model-parallel-size 2 \
         --sequence-parallel --context-parallel-size 4 --attention-dropout 0 --longest-seq --write-args args.txt
     python -m ptm_planner --size 125m --device cpu      # as examples/start.sh runs it
+    ptm-plan --list-sizes                                # the sizes, their shapes and parameter counts
 
 The command line, hardware detection and reports; how the plan is made is ptm_planner.plan. Exit
 status: 0 fits, 3 does not fit (the message names the largest model of the family and of the start.sh
@@ -44,7 +45,8 @@ from ptm_planner.plan import (
     format_bytes,
     with_seq,
 )
-from ptm_planner.sizes import DEFAULT_SEQ_LENGTH, SIZES, get_size
+from ptm_planner.sizes import DEFAULT_SEQ_LENGTH, SIZES, format_parameters, get_size
+from ptm_planner.sizes import table as sizes_table
 from ptm_planner.stages import Mesh, StageModel
 from ptm_planner.step_time import Speeds, measure_host_adam
 from zero_cache.aio import nearest_existing_dir
@@ -58,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="plan_memory.py", allow_abbrev=False,
         description="Plan GPU/host/SSD memory for a GPT under zero_cache ZeRO-3 (exit 0 fits, 3 does not fit).")
     p.add_argument("--size", choices=[s.name for s in SIZES], default=None,
-                   help="a size of examples/start.sh (model flags given as well override it)")
+                   help="a size of examples/start.sh (model flags given as well override it); --list-sizes shows "
+                        "their shapes and parameter counts")
+    p.add_argument("--list-sizes", action="store_true", help="print the sizes table and exit")
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
                    help="tokenizer vocabulary (unpadded; padded like the trainer)")
     add_model_args(p)  # Megatron's own model flags (--num-layers ... --swiglu --bf16 ...)
@@ -242,6 +246,8 @@ def request_from_args(argv: list[str]) -> tuple[Request, argparse.Namespace]:
     pre.add_argument("--longest-seq", action="store_true")
     pre.add_argument("--largest-by", default="layers")
     pre.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    pre.add_argument("--seq-length", default=None)
+    pre.add_argument("--micro-batch-size", default=None)
     known, _ = pre.parse_known_args(argv)
     defaults = ["--seq-length", str(DEFAULT_SEQ_LENGTH)]
     size = None
@@ -256,6 +262,10 @@ def request_from_args(argv: list[str]) -> tuple[Request, argparse.Namespace]:
     args = build_parser().parse_args(defaults + argv)  # the request's own flags come last and win
     if args.micro_batch_size is None:
         args.micro_batch_size = size.micro_batch_size if size else 1
+    # Where the sequence length and micro-batch came from, for the plan to say (see ``planned_at``).
+    from_size = "size" if size else "default"
+    args.seq_length_from = "flag" if known.seq_length is not None else from_size
+    args.micro_batch_size_from = "flag" if known.micro_batch_size is not None else from_size
     for name in ("micro_batch_size", "nproc_per_node", "nnodes", "vocab_size"):
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -378,8 +388,20 @@ def megatron_args(p: Plan) -> list[str]:
     return out + moe_megatron_args(m.moe, r.mesh.ep)
 
 
-def _params(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+def planned_at(p: Plan, sources: dict[str, str]) -> str:
+    """The sequence length and micro-batch the plan is for, and where each came from: ``sources`` maps
+    seq_length / micro_batch_size to flag, size, default or longest-seq (request_from_args, main)."""
+    r = p.request
+
+    def origin(key: str, flag: str) -> str:
+        return {"flag": f"given as {flag}", "size": f"size {r.size_name}'s default; give {flag} to plan another",
+                "default": f"the planner's default; give {flag} to plan another",
+                "longest-seq": "the longest that fits, found by --longest-seq"}[sources[key]]
+
+    planned = p.chosen.option.micro_batch_size
+    lowered = f"; lowered to {planned} to fit" if planned != r.micro_batch_size else ""
+    return (f"planned at: sequence length {r.model.seq_length} ({origin('seq_length', '--seq-length')}), "
+            f"micro-batch {r.micro_batch_size} ({origin('micro_batch_size', '--micro-batch-size')}{lowered})")
 
 
 def describe_model(r: Request) -> str:
@@ -392,8 +414,8 @@ def describe_model(r: Request) -> str:
                + (f" in {sum(map(m.is_moe_layer, range(m.num_layers)))} of the layers" if e.layer_freq != 1 else "")
                + (f", shared expert ffn {e.shared_expert_intermediate_size}" if e.shared_expert_intermediate_size
                   else ""))
-    active = f", {_params(m.num_parameters(active=True))} active" if m.moe is not None else ""
-    return (f"{name}GPT {_params(m.num_parameters())} parameters{active} ({m.num_layers} layers, hidden "
+    active = f", {format_parameters(m.num_parameters(active=True))} active" if m.moe is not None else ""
+    return (f"{name}GPT {format_parameters(m.num_parameters())} parameters{active} ({m.num_layers} layers, hidden "
             f"{m.hidden_size}, {m.num_attention_heads} heads, ffn {m.ffn_hidden_size}{moe}, seq {m.seq_length}, "
             f"vocab {m.padded_vocab_size}, {m.precision})")
 
@@ -418,15 +440,15 @@ def moe_lines(p: Plan) -> list[str]:
     if m.moe is None:
         return []
     e = m.moe
-    out = ["", f"mixture of experts: {_params(m.num_parameters())} parameters, "
-           f"{_params(m.num_parameters(active=True))} active per token; {e.num_experts} experts per MoE layer, "
-           f"{e.num_experts // mesh.ep} on each rank (EP {mesh.ep}), their states sharded over {mesh.expert_dp} "
-           f"rank(s) (DP {mesh.dp} / EP {mesh.ep}); the rest over DP {mesh.dp}"]
+    out = ["", f"mixture of experts: {format_parameters(m.num_parameters())} parameters, "
+           f"{format_parameters(m.num_parameters(active=True))} active per token; "
+           f"{e.num_experts} experts per MoE layer, {e.num_experts // mesh.ep} on each rank (EP {mesh.ep}), their "
+           f"states sharded over {mesh.expert_dp} rank(s) (DP {mesh.dp} / EP {mesh.ep}); the rest over DP {mesh.dp}"]
     for st in ev.stages:
         stage, exp, traffic = st.model, st.states.expert_by_tier, stage_all_to_all(p, st.model)
         out.append(f"  pipeline stage {st.stage}: {stage.moe_layers} MoE layer(s); experts held "
-                   f"{_params(stage.expert_numel)} of {_params(stage.numel)} parameters, computed with per token "
-                   f"{_params(stage.active_numel)}; expert states per process: "
+                   f"{format_parameters(stage.expert_numel)} of {format_parameters(stage.numel)} parameters, "
+                   f"computed with per token {format_parameters(stage.active_numel)}; expert states per process: "
                    + ", ".join(f"{t} {format_bytes(exp[t])}" for t in TIERS))
         out.append(f"    all-to-all over EP {mesh.ep}: {format_bytes(traffic.exchange_bytes)} sent per exchange "
                    f"({traffic.rows} routed rows of {m.hidden_size}, {traffic.exchanges} exchanges per MoE layer and "
@@ -437,11 +459,14 @@ def moe_lines(p: Plan) -> list[str]:
     return out
 
 
-def to_json(p: Plan) -> dict:
+def to_json(p: Plan, sources: dict[str, str]) -> dict:
     ev, r = p.chosen, p.request
     opt = ev.option
     return {
         "fits": p.fits,
+        "planned_at": {"seq_length": r.model.seq_length, "seq_length_from": sources["seq_length"],
+                       "micro_batch_size": r.micro_batch_size, "micro_batch_size_from": sources["micro_batch_size"],
+                       "text": planned_at(p, sources)},
         "model": {"num_parameters": p.num_parameters, "num_parameters_active": r.model.num_parameters(active=True),
                   **dataclasses.asdict(r.model)},
         "mesh": {**dataclasses.asdict(r.mesh), "data_parallel_size": r.mesh.dp, "world_size": r.mesh.world,
@@ -526,7 +551,7 @@ def recompute_text(r: Request, full: bool) -> str:
 def largest_line(p: Plan) -> str:
     flag, n = ("--num-layers", p.largest_layers) if p.largest_layers is not None else \
         ("--num-experts", p.largest_experts)
-    return f"the largest of this family that fits: {flag} {n} ({_params(p.largest_parameters)} parameters)"
+    return f"the largest of this family that fits: {flag} {n} ({format_parameters(p.largest_parameters)} parameters)"
 
 
 def nothing_fits(r: Request, by: str = "layers") -> str:
@@ -556,7 +581,7 @@ def _smallest_does_not_fit(smallest: Request, what: str) -> str:
         rows.append(("memory per accelerator", need["device_memory"], hw.device_memory, "--device-memory-gib"))
     short = [row for row in rows if row[1] > row[2]] or rows[:1]
     where = "detected here" if hw.detected else "given"
-    return (f"nothing of this family fits: {what} ({_params(smallest.model.num_parameters())} "
+    return (f"nothing of this family fits: {what} ({format_parameters(smallest.model.num_parameters())} "
             f"parameters) on {r.mesh.world} processes need "
             + ", ".join(f"{format_bytes(n)} {what} ({format_bytes(have)} {where})" for what, n, have, _ in short)
             + "; plan for a machine that has it (" + ", ".join(flag for *_, flag in short)
@@ -565,11 +590,11 @@ def _smallest_does_not_fit(smallest: Request, what: str) -> str:
               "(--tensor-model-parallel-size, fewer --nproc-per-node)")
 
 
-def table(p: Plan) -> str:
+def table(p: Plan, sources: dict[str, str]) -> str:
     ev, r = p.chosen, p.request
     cpu = r.hardware.device == "cpu"
     hw = r.hardware
-    out = [f"model: {describe_model(r)}",
+    out = [f"model: {describe_model(r)}", planned_at(p, sources),
            f"mesh: {r.mesh.nnodes} node(s) x {r.mesh.nproc_per_node} processes, {mesh_text(r)}",
            f"hardware: {hw.device}"
            + (f", {format_bytes(hw.device_memory)} per accelerator" if not cpu else " (the device tier is host memory)")
@@ -582,7 +607,7 @@ def table(p: Plan) -> str:
     cols = ["tier", "params", "grads", "optimizer", "staging", "gathered", "reduce", "activations", "logits",
             "overhead", "total"]
     for st in ev.stages:
-        out.append(f"pipeline stage {st.stage} ({_params(st.numel)} parameters), bytes per process, GiB:")
+        out.append(f"pipeline stage {st.stage} ({format_parameters(st.numel)} parameters), bytes per process, GiB:")
         rows = [cols]
         ns, states = st.nonstate, st.states.by_kind_tier
         for tier in TIERS:
@@ -638,6 +663,9 @@ def table(p: Plan) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if "--list-sizes" in argv:
+        print(sizes_table())
+        return EXIT_FITS
     try:
         request, args = request_from_args(argv)
         found = None
@@ -654,6 +682,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"plan_memory.py: {no_length_fits(request)}", file=sys.stderr)
                 return EXIT_DOES_NOT_FIT
             request = with_seq(request, longest)
+            args.seq_length_from = "longest-seq"
         result = plan(request, found, args.largest_by)
         result.longest_seq = longest
     except (ValueError, RuntimeError) as e:
@@ -672,5 +701,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plan_memory.py: error: cannot write {e.filename} ({e.strerror}); give a path in an existing, "
                   f"writable directory", file=sys.stderr)
             return EXIT_BAD_INPUT
-    print(json.dumps(to_json(result), indent=2) if args.json else table(result))
+    sources = {"seq_length": args.seq_length_from, "micro_batch_size": args.micro_batch_size_from}
+    print(json.dumps(to_json(result, sources), indent=2) if args.json else table(result, sources))
     return EXIT_FITS if result.fits else EXIT_DOES_NOT_FIT

@@ -3,7 +3,7 @@
 One table, read by both (start.sh runs this module with any Python 3, before the project's environment
 exists, so it uses the standard library only):
 
-    python3 -m ptm_planner.sizes list          # the table
+    python3 -m ptm_planner.sizes list          # the table, with each size's parameter count
     python3 -m ptm_planner.sizes row 1.3b      # "layers hidden heads ffn micro-batch" of one size
     python3 -m ptm_planner.sizes moe-args moe-8x1.3b   # the mixture-of-experts flags of a size (empty if dense)
     python3 -m ptm_planner.sizes seq-length    # the default sequence length of start.sh and the planner
@@ -16,6 +16,12 @@ from dataclasses import dataclass
 
 # Sequence length used when none is given (start.sh's SEQ_LEN default and the planner's --seq-length).
 DEFAULT_SEQ_LENGTH = 256
+# The vocabulary the table's parameter counts are for: GPT-2's tokenizer, padded as the trainer pads it.
+TABLE_VOCAB_SIZE, VOCAB_MULTIPLE = 50257, 128
+
+
+def format_parameters(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,31 @@ class ModelSize:
     def is_moe(self) -> bool:
         return self.num_experts is not None
 
+    def num_parameters(self, *, active: bool = False) -> int:
+        """Parameters of the model these flags build with the table's vocabulary (the trainer's GPT: biases,
+        LayerNorm, GeLU MLP, tied embeddings, learned positions unless long-context); ``active``: only the top-k
+        experts count."""
+        h, f = self.hidden_size, self.ffn_hidden_size
+        vocab = -(-TABLE_VOCAB_SIZE // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+        def mlp(width: int) -> int:  # two projections with biases
+            return 2 * h * width + width + h
+
+        if self.is_moe:  # every layer: bias-free experts, the router, and the shared expert if any
+            experts = self.router_topk if active else self.num_experts
+            ffn = experts * 2 * h * (self.moe_ffn_hidden_size or f) + self.num_experts * h
+            ffn += mlp(self.shared_expert_intermediate_size) if self.shared_expert_intermediate_size else 0
+        else:
+            ffn = mlp(f)
+        layer = 4 * h * h + 4 * h + ffn + 4 * h  # attention (QKV and output, with biases), two LayerNorms
+        positions = 0 if self.is_long_context else self.seq_length * h
+        return self.num_layers * layer + vocab * h + positions + 2 * h  # and the final LayerNorm
+
+    def parameters_text(self) -> str:
+        """The parameter count as the table gives it (mixtures of experts: total/active per token)."""
+        total = format_parameters(self.num_parameters())
+        return f"{total}/{format_parameters(self.num_parameters(active=True))}" if self.is_moe else total
+
     def moe_args(self) -> list[str]:
         """The Megatron-core mixture-of-experts flags of this size (none for a dense one)."""
         if not self.is_moe:
@@ -64,11 +95,11 @@ class ModelSize:
                 *self.moe_args(), *long]
 
 
-# GPT-3 paper shapes (125m .. 13b), the AngelPTM headline models (28 and 55 billion parameters) and mixtures of
-# experts: moe-tiny (4 experts, trains on a CPU), moe-8x1.3b (1.3b with 8 copies of its MLP as experts, top-2:
-# 6.9B parameters, 2.1B active) and moe-64e (64 fine-grained experts, top-6, and a shared expert, after
-# DeepSeekMoE 16B: 11.2B parameters, 1.9B active); and 1.3b-32k, the 1.3b at 32K tokens per sequence (split it over
-# ranks with CP=, see docs/parallelism.md).
+# GPT-3 paper shapes (125m .. 13b), the AngelPTM headline shapes (named 28 and 55 after the paper; their
+# parameter counts are the table's) and mixtures of experts: moe-tiny (4 experts, trains on a CPU), moe-8x1.3b
+# (1.3b with 8 copies of its MLP as experts, top-2) and moe-64e (64 fine-grained experts, top-6, and a shared
+# expert, after DeepSeekMoE 16B); and 1.3b-32k, the 1.3b at 32K tokens per sequence (split it over ranks with CP=,
+# see docs/parallelism.md).
 SIZES: tuple[ModelSize, ...] = (
     ModelSize("default", 6, 256, 8, 1024, 4),
     ModelSize("125m", 12, 768, 12, 3072, 8),
@@ -96,11 +127,12 @@ def get_size(name: str) -> ModelSize:
 
 
 def table() -> str:
-    lines = ["sizes (layers hidden heads ffn micro-batch; mixtures of experts also: experts top-k expert-ffn "
-             "shared-expert-ffn; long-context sizes: their sequence length):"]
+    lines = [f"sizes (parameters with GPT-2's {TABLE_VOCAB_SIZE}-token vocabulary, total/active per token for a "
+             "mixture of experts; layers hidden heads ffn micro-batch; mixtures of experts also: experts top-k "
+             "expert-ffn shared-expert-ffn; long-context sizes: their sequence length):"]
     for s in SIZES:
-        row = (f"  {s.name:<10} {s.num_layers:<4} {s.hidden_size:<5} {s.num_attention_heads:<5} "
-               f"{s.ffn_hidden_size:<6} {s.micro_batch_size}")
+        row = (f"  {s.name:<10} {s.parameters_text():<12} {s.num_layers:<4} {s.hidden_size:<5} "
+               f"{s.num_attention_heads:<5} {s.ffn_hidden_size:<6} {s.micro_batch_size}")
         if s.is_moe:
             row += (f"{'':<4} {s.num_experts:<4} {s.router_topk:<3} {s.moe_ffn_hidden_size or s.ffn_hidden_size:<6} "
                     f"{s.shared_expert_intermediate_size or '-'}")
