@@ -1,10 +1,12 @@
-"""The planner's estimate of the memory that is not model state: gathered parameters, gradient reduce buffers,
-activations and the loss's logits (what this trainer's model keeps, ptm_planner/activations.py), activations
-moved to host memory by --cpu-offloading, and a per-process runtime overhead. The model states themselves come
-from the engine's own placement code (plan.py)."""
+"""The planner's estimate of the memory that is not model state: gathered parameters, gradient reduce buffers and
+the reduce-scatter results that do not land in their shard, activations and the loss's logits (what this
+trainer's model keeps, ptm_planner/activations.py), activations moved to host memory by --cpu-offloading, and a
+per-process runtime overhead. The model states themselves come from the engine's own placement code (plan.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from megatron.core.transformer_config import TransformerConfig
 from ptm_planner.activations import (
@@ -98,18 +100,37 @@ def stage_activations(cfg: TransformerConfig, mesh: Mesh, layout: ActivationLayo
     return activation_memory(cfg, setup, stage.num_layers, stage.moe_layers)
 
 
+# Reduce-scatter results the gradient reducer keeps for reuse (zero_cache/grad_reducer.py, ``results``):
+# max_param_reduce_events + 1, with the planner's max_param_reduce_events of 1 (plan.py, ds_config).
+RESULT_BUFFERS = 2
+
+
+def reduce_result_bytes(plans: list[ChunkPlan], elem: int) -> int:
+    """The buffers of reduce-scatter results that miss their gradient shard (a shard on SSD, a later
+    micro-batch, a 16-bit buffer; a step's first fp32 result lands in a shard in memory): 2 of the largest shard
+    split over several ranks. A chunk whose shard group is one rank (the experts' when EP equals DP) reduces
+    nothing: its buffer is its result, and it needs none of them (its "shard" would be the whole chunk)."""
+    return RESULT_BUFFERS * max((c.shard for c in plans if c.shard < c.padded), default=0) * elem
+
+
 def non_state(cfg: TransformerConfig, mesh: Mesh, stage: StageModel, plans: list[ChunkPlan], *,
               micro_batch: int, recompute: bool, arena: int, cpu: bool, overhead: RuntimeOverhead,
-              layout: ActivationLayout) -> NonState:
+              layout: ActivationLayout, results_miss_shards: bool = False) -> NonState:
     """One pipeline stage's memory besides its states: ``arena`` elements of gathered parameters
     (max_contigous_params_size, allocated whole at start-up), reduce buffers, activations and logits of
     ``micro_batch`` (``recompute``: full, else the layout's granularity), and ``overhead``; ``cpu``: the device
-    tier is host memory (glibc's heap term applies)."""
+    tier is host memory (glibc's heap term applies); ``results_miss_shards``: gradient shards may be on SSD, or
+    micro-batches accumulate (``reduce_result_bytes``)."""
     elem = cfg.params_dtype.itemsize
     largest = max((c.padded for c in plans), default=0)
     gathered = arena * elem
-    # max_param_reduce_events reductions in flight, one chunk accumulating, one parameter's gradient.
-    reduce = min(sum(c.padded for c in plans), 3 * largest) * elem
+    # max_param_reduce_events (1) reduction in flight and one chunk accumulating, then one more chunk: the
+    # gradient of a parameter outside the fused layers, or the results that miss their shard, the larger (the
+    # fused layers leave only small parameters' gradients). Measured on the dense family with states on SSD
+    # (tests/tools/test_plan_memory.py), one chunk covers the results of groups of 2 or more ranks; a group
+    # of one rank had two whole chunks of them before it reduced in place (benchmarks/RESULTS.md, "Max scale").
+    results = reduce_result_bytes(plans, elem) if results_miss_shards or cfg.params_dtype != torch.float32 else 0
+    reduce = min(sum(c.padded for c in plans) * elem, 2 * largest * elem + max(largest * elem, results))
     device = "cpu" if cpu else "cuda"
     mem = {rc: stage_activations(cfg, mesh, layout, stage, micro_batch, "full" if rc else layout.granularity,
                                  device) for rc in (False, True)}

@@ -279,7 +279,8 @@ class Planner:
         r = self.request
         return non_state(r.model, r.mesh, stage, plans, micro_batch=option.micro_batch_size,
                          recompute=option.recompute, arena=self.arena(option), cpu=self.cpu,
-                         overhead=r.hardware.overhead, layout=r.layout)
+                         overhead=r.hardware.overhead, layout=r.layout,
+                         results_miss_shards=option.offload in ("nvme", "cpu+nvme") or r.accumulation_steps > 1)
 
     def keep_choices(self) -> tuple[bool, ...]:
         """keep_gathered, fastest first: on an accelerator the gathered parameters stay for the backward when

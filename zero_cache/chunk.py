@@ -56,6 +56,7 @@ class FlatChunk:
         self.master_in_param = False  # fp32: the parameter shard is the master (no separate copy)
         self.gathered = plan.resident
         self._mapping: torch.Tensor | None = None  # what ``full`` points at while gathered outside an arena (CPU)
+        self.aliased = False  # ``full`` uses the parameter shard's memory (alias_full)
 
     @property
     def index(self) -> int:
@@ -112,10 +113,16 @@ class FlatChunk:
         else:
             storage.resize_(self.full_nbytes())
 
+    def alias_full(self, shard: torch.Tensor) -> None:
+        """Gathered over a shard group of one rank: the shard is the whole chunk, so ``full`` uses its memory (no
+        copy and no second buffer; the caller checked device, dtype and ``storage_pointer.mechanism()``)."""
+        storage_pointer.point(self.full.untyped_storage(), shard.data_ptr(), self.full_nbytes(), self.full.device)
+        self.aliased = True
+
     def free_full(self) -> None:
-        if self._mapping is not None:
+        if self._mapping is not None or self.aliased:
             storage_pointer.point(self.full.untyped_storage(), 0, 0, self.full.device)
-            self._mapping = None
+            self._mapping, self.aliased = None, False
         else:
             self.full.untyped_storage().resize_(0)
         self.gathered = False

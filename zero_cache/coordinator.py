@@ -35,6 +35,12 @@ both overlap the current module's compute. Every all-gather of the coordinator i
 streams then (``after``), so all of them keep one order on every rank. An SSD staging buffer goes back to
 its pool when the copy no longer reads it (``source_free``); pending ones are polled at every fetch.
 
+A shard group of one rank (the expert-data-parallel group when expert parallelism spans the data-parallel
+ranks, or a single process) has nothing to gather: when the shard lives in compute memory in the compute dtype,
+the chunk's full buffer is pointed at the shard's own memory while it is "gathered" (no copy, no second buffer,
+no arena region), with the same lifecycle events as a gather. A shard in host memory behind an accelerator is
+copied into the full buffer (the all-gather of that piece then does nothing), and one on SSD is read and copied.
+
 Arena (``max_contigous_params_size`` > 0): gathered chunks are regions of one preallocated buffer
 (``param_arena.py``), and they stay there after use as a cache, valid until the parameters change (the end of
 the step). A gather that does not fit evicts idle chunks by the trace, the one requested furthest in the future
@@ -57,7 +63,7 @@ from .chunk import FlatChunk
 from .comm import Handle
 from .config import ZeroConfigError, ZeroOptimizationConfig
 from .lifecycle import ChunkEvents, ChunkListener
-from .param_arena import ParamArena
+from .param_arena import ParamArena, arena_numel, region_numel
 from .states import State
 from .store import DEVICE, ShardStore
 from .streams import HostStreams, Streams
@@ -105,6 +111,13 @@ class ParamCoordinator(ChunkListener):
         # source_free, its staging bytes)
         self.keep_limit, self.kept_bytes = keep_param_bytes, 0
         self.params_on_ssd = any(c.on_ssd(State.PARAM) for c in chunks)
+        # A shard group of one rank has nothing to gather: a chunk whose shard is in compute memory (the device,
+        # the compute dtype) is "gathered" by pointing its full buffer at the shard (``FlatChunk.alias_full``).
+        self.in_place = [c.comm.size == 1 and not c.plan.resident and not self.host_param[c.index]
+                         and not c.on_ssd(State.PARAM) and c.param_shard is not None
+                         and c.param_shard.device == c.full.device and c.param_shard.dtype == c.full.dtype
+                         and storage_pointer.mechanism() is not None
+                         for c in chunks]
         self.prefetch_numel = zcfg.stage3_prefetch_bucket_size
         self.max_live = zcfg.stage3_max_live_parameters
         self.max_reuse = zcfg.stage3_max_reuse_distance
@@ -123,14 +136,17 @@ class ParamCoordinator(ChunkListener):
         self.trace_ok = True
         self._hooks = []
         self.arena: ParamArena | None = None
+        self.arena_numel = 0  # elements the arena holds (0: no arena); the limit is checked on every chunk
         partitioned = [c for c in chunks if not c.plan.resident]
         if zcfg.max_contigous_params_size > 0 and partitioned:
             if storage_pointer.mechanism() is None:
                 logger.warning("zero_cache: max_contigous_params_size is not used, gathered chunks get allocations "
                                "of their own: %s", storage_pointer.unavailable_reason())
             else:
-                self.arena = ParamArena(zcfg.max_contigous_params_size, partitioned[0].full.dtype,
-                                        partitioned[0].full.device)
+                self.arena_numel = arena_numel(zcfg.max_contigous_params_size, partitioned[0].full.element_size())
+        gathered = [c for c in partitioned if not self.in_place[c.index]]
+        if self.arena_numel > 0 and gathered:  # in-place chunks take no room in it
+            self.arena = ParamArena(zcfg.max_contigous_params_size, gathered[0].full.dtype, gathered[0].full.device)
         self.pinned: set[int] = set()  # chunks a running backward still reads (until all their gradients exist)
         self._requests = 0
         self._last_use = [0] * len(chunks)  # request count at each chunk's last request (LRU order)
@@ -154,11 +170,12 @@ class ParamCoordinator(ChunkListener):
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
             self._hooks.append(module.register_forward_hook(self._post_forward))
         self.module_chunks[module] = ids
-        if self.arena is not None:
-            need = sum(self.arena.need(self.chunks[c]) for c in ids)
-            if need > self.arena.numel:
+        if self.arena_numel > 0:  # checked over every chunk, in place or not: the same limit on any group size
+            elem = self.chunks[ids[0]].full.element_size()
+            need = sum(region_numel(self.chunks[c].plan.padded, elem) for c in ids)
+            if need > self.arena_numel:
                 raise ZeroConfigError(
-                    f"zero_cache config: 'zero_optimization.max_contigous_params_size' {self.arena.numel} elements "
+                    f"zero_cache config: 'zero_optimization.max_contigous_params_size' {self.arena_numel} elements "
                     f"cannot hold the chunks one {type(module).__name__} module uses at once ({need} elements); "
                     f"raise it to at least {need} "
                     f"(2x that lets the next chunk be prefetched) or set -1 for plain allocations")
@@ -234,6 +251,11 @@ class ParamCoordinator(ChunkListener):
         # after the step, before any other collective of the group, so every rank issues the same sequence.
         if at is not None and not self.events.may_gather(c):
             return False
+        if self.in_place[c]:
+            self.events.before_gather(c)
+            chunk.alias_full(chunk.param_shard)
+            chunk.gathered = True
+            return True
         if self.arena is None:
             chunk.allocate_full()
         elif not self._make_room(c, at):
@@ -382,6 +404,9 @@ class ParamCoordinator(ChunkListener):
         landed = self._copies.pop(c, None)
         if landed is not None:  # memory is given back only once the copy into it is done
             self.streams.before_free(landed)
+        if chunk.aliased:  # the shard's own memory: nothing was gathered
+            chunk.free_full()
+            return
         if self.arena is not None:
             self.arena.remove(chunk)
             chunk.gathered = False

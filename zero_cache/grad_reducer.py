@@ -18,6 +18,12 @@ the parameter as done. Two accumulation modes (docs/zero_cache/design.md):
 - ``full`` (stage 1): gradients are summed over micro-batches into full-size fp32 buffers and reduced
   once per step. Memory: 4 B/param unsharded; communication: one reduce-scatter per chunk per step.
 
+A shard group of one rank (a single process; the experts' group when EP equals DP) reduces nothing. In either
+mode, a chunk whose fp32 gradient shard sits in the buffers' memory uses that shard as its buffer: the writers and
+hooks put the step's first gradients over what it held and add the later ones, and the group's factor multiplies
+it once, in the final pass (no buffer, no copy). Any other chunk of such a group (a shard on SSD or behind an
+accelerator, 16-bit buffers) takes its buffer as the reduction's result.
+
 The end of every backward pass (an autograd final callback) flushes chunks with only part of their
 gradients (unused parameters), waits for the in-flight reductions and lets the coordinator release
 gathered chunks. Every backward pass is self-contained, so 1F1B interleaving of micro-batches is fine.
@@ -116,6 +122,14 @@ class GradReducer:
         # (``norm_stats_parts``), not from a few kernels per shard as each becomes final.
         self.fused = [not self.to_host[i] and not self.on_ssd[i] and c.grad.device.type == "cuda"
                       for i, c in enumerate(chunks)]
+        # A shard group of one rank reduces nothing: a gradient shard that the buffer could be copied into as is
+        # (fp32 compute, the same device) is itself the chunk's buffer. The layers write into it, every pass of
+        # the step adds to it, and it is multiplied by the chunk's factor once, after the last.
+        self.in_place = [c.comm.size == 1 and not self.to_host[i] and not self.on_ssd[i]
+                         and c.grad.dtype == c.full.dtype and c.grad.device == c.full.device
+                         for i, c in enumerate(chunks)]
+        self.unscaled: set[int] = set()  # in-place shards holding this step's sum, not yet multiplied
+        self.scaled: set[int] = set()  # ... multiplied in the step's final pass
         self.final_pass = False  # the engine expects the running backward pass to be the step's last
         self.stats: list[torch.Tensor | None] = [None] * len(chunks)  # norm_stats of final shards
         # Chunk gradient buffers whose reduction finished, reused by the next chunks, in this pass and the next
@@ -157,7 +171,14 @@ class GradReducer:
         buf = self.buffers.get(c)
         if buf is None:
             chunk = self.chunks[c]
-            if self.mode == "full":
+            if self.in_place[c]:
+                buf = chunk.grad
+                if self.fresh[c]:  # the step's first pass overwrites what the last step left
+                    self.written[c] = set()
+                elif c in self.scaled:  # a pass beyond the one expected to be the last adds to the plain sum
+                    buf.div_(chunk.grad_factor)
+                    self.scaled.discard(c)
+            elif self.mode == "full":
                 buf = self.store.allocate(f"c{c}.full_grad", "grads", DEVICE, chunk.plan.padded, torch.float32)
             else:  # not zeroed: the first gradient of a slot is copied in, the rest zeroed before reducing
                 buf = self.spare.take(chunk.plan.padded, chunk.full.dtype, chunk.full.device)
@@ -216,7 +237,9 @@ class GradReducer:
                 region.add_(grad.reshape(-1))
         self.fired[c] += 1
         if self.fired[c] == self.expected[c]:
-            if self.mode == "shard":
+            if self.in_place[c]:
+                self._settle(c)
+            elif self.mode == "shard":
                 self._complete(c)
             self.events.grad_ready(c)
 
@@ -230,16 +253,38 @@ class GradReducer:
         while len(self.held) > self.max_held:
             self._reduce(next((h for h in self.held if h not in self.keep), self.held[0]))
 
+    def _zero_unwritten(self, c: int, buf: torch.Tensor, written: set[int]) -> None:
+        """Zero the padding and the parameters without a gradient in this pass (a partial flush)."""
+        plan = self.chunks[c].plan
+        buf[plan.numel:].zero_()
+        for s in plan.slots:
+            if s.offset not in written:
+                buf[s.offset:s.offset + s.numel].zero_()
+
+    def _settle(self, c: int) -> None:
+        """An in-place chunk's pass is complete: its shard holds the sum so far; the final pass scales it."""
+        buf = self.buffers.pop(c)
+        written = self.written.pop(c, None)
+        if written is not None:  # the step's first pass
+            self._zero_unwritten(c, buf, written)
+            self.fresh[c] = False
+        self.unscaled.add(c)
+        if self.final_pass:
+            self._scale(c)
+        self._shard_final(c, self.final_pass)
+
+    def _scale(self, c: int) -> None:
+        factor = self.chunks[c].grad_factor
+        if factor != 1.0:
+            self.chunks[c].grad.mul_(factor)
+            self.scaled.add(c)
+        self.unscaled.discard(c)
+
     def _reduce(self, c: int) -> None:
         if c in self.held:
             self.held.remove(c)
         buf = self.buffers.pop(c)
-        written = self.written.pop(c)
-        plan = self.chunks[c].plan
-        buf[plan.numel:].zero_()  # padding
-        for s in plan.slots:  # parameters without a gradient in this pass (a partial flush)
-            if s.offset not in written:
-                buf[s.offset:s.offset + s.numel].zero_()
+        self._zero_unwritten(c, buf, self.written.pop(c))
         chunk = self.chunks[c]
         # The sum of N fp16 gradients can overflow where their mean does not: an fp16 buffer is divided by N
         # before the reduce-scatter (as DeepSpeed does). fp32 and bf16 share a range wide enough for the sum
@@ -251,28 +296,38 @@ class GradReducer:
         # The step's first fp32 result on the device tier is reduced straight into the gradient shard.
         direct = (self.fresh[c] and not self.to_host[c] and not self.on_ssd[c] and buf.dtype == torch.float32
                   and buf.device == chunk.grad.device)
-        if direct:
-            out, self.fresh[c] = chunk.grad, False
+        if chunk.comm.size == 1:  # nothing to reduce: the buffer is the result (16-bit, or bound for host or SSD)
+            out, direct, handle = buf, False, None
         else:
-            out = self._result_buffer(c, buf.dtype, buf.device)
-        handle = chunk.comm.reduce_scatter(out, buf, tag=f"chunk{c}", async_op=True)
+            if direct:
+                out, self.fresh[c] = chunk.grad, False
+            else:
+                out = self._result_buffer(c, buf.dtype, buf.device)
+            handle = chunk.comm.reduce_scatter(out, buf, tag=f"chunk{c}", async_op=True)
         self.pending.append((c, handle, out, buf, direct, scale))
         while len(self.pending) > self.max_events:
             self._finish()
 
     def _finish(self) -> None:
         c, handle, out, buf, direct, scale = self.pending.popleft()
-        handle.wait()
-        self.spare.give(buf)
+        if handle is not None:
+            handle.wait()
         final = self.final_pass
+        if out is not buf:
+            self.spare.give(buf)
         if direct:
             out.mul_(scale)
             self._shard_final(c, final)
-        elif self.to_host[c]:
+        elif self.to_host[c]:  # the host lane drops ``out`` once its copy has read it
+            if out is buf:
+                self.spare.forget(buf)
             self._send_to_host(c, out, scale, final)
         else:
             self._accumulate(c, out, scale, self._take_fresh(c))
-            self._keep_result(out)
+            if out is buf:
+                self.spare.give(buf)
+            else:
+                self._keep_result(out)
             self._shard_final(c, final)
 
     def _take_fresh(self, c: int) -> bool:
@@ -333,10 +388,12 @@ class GradReducer:
 
     def end_backward(self) -> None:
         """Autograd final callback: reduce partially-filled chunks (in chunk order) and drain."""
+        for c in sorted(self.buffers):
+            if self.in_place[c]:
+                self._settle(c)
+            elif self.mode == "shard" and (c not in self.held or self.final_pass):
+                self._reduce(c)
         if self.mode == "shard":
-            for c in sorted(self.buffers):
-                if c not in self.held or self.final_pass:
-                    self._reduce(c)
             if not self.final_pass:
                 self.keep = set(self.held)
                 for c in self.held:
@@ -361,6 +418,9 @@ class GradReducer:
             self._reduce(c)
         self.end_backward()
         self.drain()
+        for c in sorted(self.unscaled):  # the step came before the pass the engine expected to be its last
+            self._scale(c)
+            self.stats[c] = None
         if self.mode == "full":
             for c in sorted(self.buffers):
                 buf = self.buffers[c]
@@ -426,6 +486,7 @@ class GradReducer:
     def new_step(self) -> None:
         """The step consumed (or discarded) the gradients: the next step's first results overwrite them."""
         self.fresh = [True] * len(self.chunks)
+        self.scaled.clear()
         self.held_passes = {}
         self.ssd_stats.clear()
         self.stats = [None] * len(self.chunks)
@@ -476,6 +537,10 @@ class SpareBuffers:
             self.free.append(base)
         else:
             self.used.pop(id(base), None)
+
+    def forget(self, view: torch.Tensor) -> None:
+        """``view`` (from ``take``) will not come back: its memory goes once nothing else refers to it."""
+        self.used.pop(id(view if view._base is None else view._base), None)
 
     def clear(self) -> None:
         """Drop the spare buffers (their memory goes back once nothing views them)."""

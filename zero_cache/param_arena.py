@@ -31,11 +31,16 @@ def region_numel(numel: int, element_size: int) -> int:
     return -(-numel // align) * align
 
 
+def arena_numel(numel: int, element_size: int) -> int:
+    """Elements an arena of ``numel`` requested elements holds: rounded down to the alignment."""
+    return numel - numel % max(1, _ALIGN_BYTES // element_size)
+
+
 class ParamArena:
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
         self.elem = torch.empty((), dtype=dtype).element_size()
         self.align = max(1, _ALIGN_BYTES // self.elem)
-        self.numel = numel - numel % self.align
+        self.numel = arena_numel(numel, self.elem)
         self.buffer = torch.empty(self.numel, dtype=dtype, device=device)
         self.device = self.buffer.device
         self._free: list[tuple[int, int]] = [(0, self.numel)]  # (offset, length) in elements, sorted by offset

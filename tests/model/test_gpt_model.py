@@ -151,7 +151,7 @@ def _reduce_buffer_residency(rank, world):
     cfg = TransformerConfig(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=16,
                             padded_vocab_size=8192, hidden_dropout=0.0, attention_dropout=0.0)
     model = GPTModel(cfg).train()
-    config = {"train_batch_size": 4, "gradient_accumulation_steps": 2,
+    config = {"train_batch_size": 4 * world, "gradient_accumulation_steps": 2,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 3}}
     engine = zero_cache.initialize(model=model, config=config)
     tokens = torch.randint(0, 8192, (2, 17), generator=torch.Generator().manual_seed(0))
@@ -165,7 +165,8 @@ def _reduce_buffer_residency(rank, world):
 
 def test_reduce_buffers_keep_the_pages_of_the_chunks_they_serve():
     """The reduction buffers are as large as the largest chunk and reused by every chunk: the largest takes the
-    buffer it already used, so a small chunk's buffer never gets the large one's pages too."""
-    chunk_bytes, resident = run_distributed(_reduce_buffer_residency, 1)[0]
+    buffer it already used, so a small chunk's buffer never gets the large one's pages too. Two ranks: a
+    one-rank group reduces in its gradient shard, with no buffer."""
+    chunk_bytes, resident = run_distributed(_reduce_buffer_residency, 2)[0]
     assert len(chunk_bytes) == 2 and len(resident) == 2
     assert sum(resident) <= sum(chunk_bytes) + 2 * 2 * 4096, (chunk_bytes, resident)

@@ -13,7 +13,7 @@ import pytest
 from megatron.core.moe.config import MoEConfig
 from megatron.core.transformer_config import TransformerConfig
 from ptm_planner.cli import EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, EXIT_FITS, main, request_from_args
-from ptm_planner.non_state import layer_activation_bytes
+from ptm_planner.non_state import layer_activation_bytes, reduce_result_bytes
 from ptm_planner.plan import Option, Planner, with_experts, with_layers
 from ptm_planner.sizes import SIZES, get_size
 
@@ -95,6 +95,26 @@ def test_expert_states_follow_the_offload_to_their_tier():
     assert on_ssd["device"] == 0 and on_ssd["nvme"] >= 12 * 49_152 and on_ssd["host"] + on_ssd["nvme"] == shard
     split = experts("cpu", rate=0.5)
     assert split["device"] > 0 and split["host"] > 0 and split["device"] + split["host"] == shard
+
+
+@pytest.mark.parametrize("ep, split_shard", [(2, 8192), (4, 4096)])
+def test_reduce_results_that_miss_their_shard_are_planned_unless_the_group_is_one_rank(ep, split_shard):
+    """A reduce-scatter result that misses its gradient shard (a shard on SSD, a later micro-batch) goes to one of
+    2 kept buffers of the largest shard split over several ranks. One matrix per chunk (16,384 elements): with
+    EP 2 the experts' group is 2 of the 4 ranks (8,192); with EP 4 = DP it is one rank, whose reduce buffer is
+    its result, so the largest is a dense chunk's 16,384 / 4. The plan's reduce memory is 2 chunk buffers plus
+    the larger of one chunk and those results."""
+    request, _ = request_from_args(MOE + BOX + _mesh(4, ep))
+    planner = Planner(request)
+    page = planner.pages[-1]
+    assert page == 16_384
+    plans = planner.plans(page)[0]
+    assert reduce_result_bytes(plans, 4) == 2 * split_shard * 4
+    size = planner.sub_group_sizes(page)[-1]
+    chunk = 16_384 * 4
+    for offload in ("none", "nvme"):
+        reduce = planner.evaluate(Option(offload, page, 2, False, size)).stages[0].nonstate.reduce_buffers
+        assert reduce == 2 * chunk + max(chunk, 2 * split_shard * 4 if offload == "nvme" else 0)
 
 
 @pytest.mark.parametrize("ep, exchange", [(1, 0), (2, 8192), (4, 12288)])

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import zero_cache
+from tests.dist_utils import run_distributed
 from tests.zero_cache.common import batches, ds_config, make_model, train_engine
 from zero_cache.config import (
     DOC_PATH,
@@ -236,27 +237,28 @@ def test_overlap_comm_false_waits_for_every_reduction():
         parse_config({"zero_optimization": {"overlap_comm": False, "max_param_reduce_events": 2}})
 
 
+def _reductions_in_flight(rank: int, world: int, overlap: bool):
+    """Two ranks: a one-rank group reduces nothing (its gradient shard is the buffer), so no reduction to count."""
+    config = ds_config(2, world, overlap_comm=overlap)
+    del config["zero_optimization"]["max_param_reduce_events"]
+    engine = zero_cache.initialize(make_model(), config)
+    in_flight = []
+    reduce = engine.reducer._reduce
+
+    def spy(c):
+        reduce(c)
+        in_flight.append(len(engine.reducer.pending))
+    engine.reducer._reduce = spy
+    losses = train_engine(engine, batches(2), rank=rank, dp=world)
+    weights = engine.gather_state_dict()
+    engine.close()
+    return losses, weights, in_flight
+
+
+@pytest.mark.multiprocess
 def test_engine_without_overlap_comm_has_no_reduction_in_flight():
-    data = batches(2)
-
-    def run(overlap: bool):
-        config = ds_config(2, 1, overlap_comm=overlap)
-        del config["zero_optimization"]["max_param_reduce_events"]
-        engine = zero_cache.initialize(make_model(), config)
-        in_flight = []
-        reduce = engine.reducer._reduce
-
-        def spy(c):
-            reduce(c)
-            in_flight.append(len(engine.reducer.pending))
-        engine.reducer._reduce = spy
-        losses = train_engine(engine, data, rank=0, dp=1)
-        weights = engine.gather_state_dict()
-        engine.close()
-        return losses, weights, in_flight
-
-    losses, weights, in_flight = run(False)
+    losses, weights, in_flight = run_distributed(_reductions_in_flight, 2, False)[0]
     assert in_flight and max(in_flight) == 0
-    ref_losses, ref_weights, ref_in_flight = run(True)
+    ref_losses, ref_weights, ref_in_flight = run_distributed(_reductions_in_flight, 2, True)[0]
     assert max(ref_in_flight) == 1
     assert losses == ref_losses and all(torch.equal(weights[n], ref_weights[n]) for n in weights)

@@ -116,7 +116,7 @@ class GroupedExperts(nn.Module):
                  tp_size: int, tp_rank: int, dtype: torch.dtype, fusion: bool, grouped_gemm: bool, prefix: str):
         super().__init__()
         self.swiglu, self.gelu_approximate, self.fusion = swiglu, gelu_approximate, fusion
-        self.grouped_gemm = grouped_gemm
+        self.grouped_gemm, self.tp_size = grouped_gemm, tp_size
 
         def projection(name: str, out_f: int, in_f: int, tp_dim: int, init) -> ExpertWeights:
             return ExpertWeights(lambda e: init(f"{prefix}{e}.{name}.weight"), num_experts=num_experts,
@@ -133,10 +133,13 @@ class GroupedExperts(nn.Module):
         offs = None
         if self.grouped_gemm and _grouped_mm_works(x.device.type, x.dtype):
             offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-        x = copy_to_tensor_model_parallel_region(x)
+        tp = self.tp_size > 1  # without tensor parallelism the regions' mappings would only copy the rows
+        if tp:
+            x = copy_to_tensor_model_parallel_region(x)
         h = self.linear_fc1(x, counts, offs, self.fusion)
         if self.swiglu:
             h = F.silu(self.linear_fc1_gate(x, counts, offs, self.fusion)) * h
         else:
             h = F.gelu(h, approximate=self.gelu_approximate)
-        return reduce_from_tensor_model_parallel_region(self.linear_fc2(h, counts, offs, self.fusion))
+        out = self.linear_fc2(h, counts, offs, self.fusion)
+        return reduce_from_tensor_model_parallel_region(out) if tp else out

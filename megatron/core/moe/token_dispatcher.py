@@ -44,6 +44,20 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
     return inv
 
 
+class _Permute(torch.autograd.Function):
+    """``x[order]`` for a permutation ``order`` (``inverse``: its inverse). The gradient is gathered back by the
+    inverse, where ``index_select``'s own backward would zero a buffer of the rows and scatter-add into it."""
+
+    @staticmethod
+    def forward(ctx, x, order, inverse):
+        ctx.inverse = inverse
+        return x.index_select(0, order)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.index_select(0, ctx.inverse), None, None
+
+
 @dataclass
 class DispatchState:
     """What combine needs to undo a dispatch."""
@@ -53,6 +67,7 @@ class DispatchState:
     send_splits: list[int]  # rows sent to each expert-parallel rank
     recv_splits: list[int]  # rows received from each
     sort_by_local_expert: torch.Tensor | None  # received rows regrouped by local expert
+    unsort_local_expert: torch.Tensor | None  # its inverse
 
 
 class AllToAllDispatcher:
@@ -77,7 +92,7 @@ class AllToAllDispatcher:
         rows = x.index_select(0, token_of_row[sort_by_expert])
         counts = torch.bincount(experts, minlength=self.num_experts)
         if self.ep_size == 1:
-            state = DispatchState(token_of_row, weight_of_row, sort_by_expert, [], [], None)
+            state = DispatchState(token_of_row, weight_of_row, sort_by_expert, [], [], None, None)
             return rows, counts.tolist(), state
         # counts_from[r, e]: rows rank r sends to local expert e of this rank
         counts_from = torch.empty_like(counts)
@@ -88,16 +103,18 @@ class AllToAllDispatcher:
         received = _AllToAll.apply(rows, recv_splits, send_splits, self.ep_group)
         local_expert = torch.arange(self.num_local, device=x.device).repeat(self.ep_size)
         sort_by_local = torch.argsort(local_expert.repeat_interleave(counts_from.reshape(-1)), stable=True)
-        state = DispatchState(token_of_row, weight_of_row, sort_by_expert, send_splits, recv_splits, sort_by_local)
-        return received.index_select(0, sort_by_local), counts_from.sum(0).tolist(), state
+        unsort_local = _inverse(sort_by_local)
+        state = DispatchState(token_of_row, weight_of_row, sort_by_expert, send_splits, recv_splits, sort_by_local,
+                              unsort_local)
+        return _Permute.apply(received, sort_by_local, unsort_local), counts_from.sum(0).tolist(), state
 
     def combine(self, expert_out: torch.Tensor, state: DispatchState, num_tokens: int) -> torch.Tensor:
         """[num_tokens, h]: each token's expert outputs, weighted by their probabilities and summed (in fp32)."""
         rows = expert_out
         if state.sort_by_local_expert is not None:
-            rows = rows.index_select(0, _inverse(state.sort_by_local_expert))
+            rows = _Permute.apply(rows, state.unsort_local_expert, state.sort_by_local_expert)
             rows = _AllToAll.apply(rows, state.send_splits, state.recv_splits, self.ep_group)
-        rows = rows.index_select(0, _inverse(state.sort_by_expert))
+        rows = _Permute.apply(rows, _inverse(state.sort_by_expert), state.sort_by_expert)
         weighted = rows.float() * state.weight_of_row.unsqueeze(-1)
         out = weighted.new_zeros((num_tokens, rows.shape[-1]))
         return out.index_add(0, state.token_of_row, weighted)
