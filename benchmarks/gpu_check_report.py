@@ -9,8 +9,11 @@
 Standard library only (matmul_peak imports torch only to measure), so the record is still written when torch is
 what fails. ``stage`` adds the stage's row (status from its exit code, seconds against its cap, its figures or its
 telling error line), appends the tail of its log to --logs, and rewrites --summary: the machine, the measured
-matmul peak, the stage table, each comparison's table with ours / peer ratios, the planned against measured
-memory of the largest model, notes. The summary is the section to paste into benchmarks/RESULTS.md.
+matmul peak, the stage table, pytest's result per test (read from its -v lines, so a run cut before its totals
+still has them), each comparison's table with ours / peer ratios and the planner's predicted step against the
+measured one, the planned against measured memory of the largest model, the last lines of every failed or
+incomplete job's log, notes. Every row has figures or says why it has none. The summary is the section to
+paste into benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 
@@ -26,6 +29,11 @@ from benchmarks.one_line_args import OneLineParser
 
 LOG_TAIL_LINES = 120
 ERROR_MARKERS = re.compile(r"Error|error:|Traceback|Killed|out of memory|FAILED|Timeout|timed out|not found")
+OUTCOMES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
+# pytest -v: "tests/x.py::test_a PASSED [ 4%]"; under xdist: "[gw1] [  4%] PASSED tests/x.py::test_a".
+_WORD = "|".join(OUTCOMES)
+_VERBOSE = re.compile(rf"^(?:\[gw\d+\] \[\s*\d+%\] ({_WORD}) (\S+::\S+)|(\S+::\S+) ({_WORD})\b)")
+_COLLECTED = re.compile(r"collected (\d+) items?|\d+ workers? \[(\d+) items?\]")
 
 
 def _load(path: str | None) -> dict | None:
@@ -75,28 +83,62 @@ def _s(x: float | None) -> str:
 
 
 # ---- figures of each kind of stage --------------------------------------------------------------------------
-def tests_figures(log: str | None) -> tuple[str, str | None]:
-    """pytest's final counts; SKIPPED when nothing ran (no GPU seen)."""
-    counts = [ln.strip("= ").strip() for ln in _lines(log)
+def test_outcomes(log: str | None) -> tuple[dict[str, str], int | None]:
+    """Each test's outcome from pytest's -v lines (the last word on a test wins: a teardown error follows its
+    PASSED), and the number collected."""
+    outcomes, collected = {}, None
+    for ln in _lines(log):
+        m = _VERBOSE.match(ln.strip())
+        if m:
+            outcome, node = (m.group(1), m.group(2)) if m.group(1) else (m.group(4), m.group(3))
+            outcomes[node] = outcome if outcomes.get(node) not in ("FAILED", "ERROR") else outcomes[node]
+        c = _COLLECTED.search(ln)
+        if c:
+            collected = int(c.group(1) or c.group(2))
+    return outcomes, collected
+
+
+def tests_figures(log: str | None) -> tuple[str, str | None, dict]:
+    """pytest's counts from its per-test lines (a run cut before its totals line still has them), the first
+    failures, and each test's outcome; SKIPPED when nothing ran (no GPU seen)."""
+    outcomes, collected = test_outcomes(log)
+    counts = {o: sum(1 for x in outcomes.values() if x == o) for o in OUTCOMES}
+    result = ", ".join(f"{n} {o.lower()}" for o, n in counts.items() if n)
+    totals = [ln.strip("= ").strip() for ln in _lines(log)
               if re.search(r"\d+ (passed|failed|skipped|errors?|deselected)", ln) and " in " in ln]
-    result = counts[-1] if counts else ""
-    failed = [ln.strip() for ln in _lines(log) if ln.startswith(("FAILED ", "ERROR "))]
+    if not outcomes and totals:
+        result = totals[-1]
+    if collected is not None:
+        result = f"{result or 'no test finished'} of {collected} collected"
+        if len(outcomes) < collected:
+            result += f"; {collected - len(outcomes)} not finished (cut)" if not totals else ""
+    failed = [n for n, o in outcomes.items() if o in ("FAILED", "ERROR")]
     if failed:
-        result += f"; {failed[0][:160]}" + (f" (+{len(failed) - 1} more)" if len(failed) > 1 else "")
-    skipped = " passed" not in result and "skipped" in result and "failed" not in result
-    return result, "SKIPPED" if skipped else None
+        result += f"; failed: {failed[0]}" + (f" (+{len(failed) - 1} more)" if len(failed) > 1 else "")
+    ran = counts["PASSED"] + counts["FAILED"] + counts["ERROR"] + counts["XPASS"] + counts["XFAIL"]
+    skipped = not ran and (counts["SKIPPED"] > 0 or "skipped" in result)
+    return result, "SKIPPED" if skipped else None, {"tests": outcomes, "collected": collected}
 
 
 def peak_figures(peak: dict | None, machine: dict) -> str:
     parts = []
     if peak:
-        parts.append(f"bf16 {peak['size']}^3 matmul: median {peak['median_tflops']:.0f} TFLOP/s (min "
-                     f"{peak['min_tflops']:.0f}, max {peak['max_tflops']:.0f}; {peak['samples']} x "
-                     f"{peak['per_sample']}), {peak['median_tflops'] / DATASHEET_TFLOPS:.0%} of the "
+        parts.append(f"{peak.get('dtype', 'bf16')} {peak['size']}^3 matmul: median {_tf(peak['median_tflops'])} "
+                     f"TFLOP/s (min {_tf(peak['min_tflops'])}, max {_tf(peak['max_tflops'])}; {peak['samples']} x "
+                     f"{peak['per_sample']}{_timed(peak)}), {peak['median_tflops'] / DATASHEET_TFLOPS:.0%} of the "
                      f"{DATASHEET_TFLOPS:g} datasheet")
     if machine.get("disk_write"):
         parts.append(f"disk write {machine['disk_write']} ({machine.get('disk_write_where', '?')})")
     return "; ".join(parts)
+
+
+def _tf(x: float) -> str:
+    """TFLOP/s: whole numbers on a GPU, three figures on a CPU (a rehearsal's fractions of one)."""
+    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def _timed(peak: dict) -> str:
+    return f", {peak['seconds']:.1f} s after {peak['warmup_s']:g} s of warm-up" if "seconds" in peak else ""
 
 
 def _short(key: str) -> str:
@@ -117,6 +159,10 @@ def peers_figures(res: dict | None) -> tuple[str, str | None]:
             hidden = f", {r['overlap']['hidden']:.0%} of copies hidden" if (r.get("overlap") or {}).get("copies") \
                 else ""
             parts.append(f"{_short(r['key'])} {f['tokens_per_s']:,.0f} tok/s{mfu}{hidden}")
+        elif r["status"] == "incomplete":
+            steps = r.get("step_s") or []
+            parts.append(f"{_short(r['key'])} incomplete ({len(steps)} step(s) done"
+                         f"{': ' + ', '.join(f'{x:.2f}' for x in steps[:4]) + ' s' if steps else ''})")
         elif r["status"] != "not installed":
             parts.append(f"{_short(r['key'])} {r['status']}")
     parts += [f"{_short(x['ours'])} / {_short(x['peer'])} {x['ratio']:.2f}x" for x in res.get("ratios", [])]
@@ -124,7 +170,11 @@ def peers_figures(res: dict | None) -> tuple[str, str | None]:
     if diffs:
         ok = max(diffs) <= res.get("loss_rtol", 0)
         parts.append(f"losses {'agree' if ok else 'DIFFER'} (max {max(diffs):.1e} vs {res.get('reference')})")
-    failed = [r for r in res.get("results", []) if r["status"] in ("failed", "timeout")]
+    ours = [(k, f) for k, f in figs.items() if k.startswith("ours") and f.get("predicted_over_measured")]
+    if ours:
+        parts.append("planner predicted / measured: " + ", ".join(
+            f"{_short(k)} {f['predicted_step_s']:.2f} / {f['median_step_s']:.2f} s" for k, f in ours))
+    failed = [r for r in res.get("results", []) if r["status"] in ("failed", "incomplete")]
     return "; ".join(parts), (f"{failed[0]['key']}: {failed[0]['error']}"[:200] if failed else None)
 
 
@@ -140,13 +190,29 @@ def maxscale_figures(res: dict | None) -> tuple[str, str | None]:
     if t:
         parts.append(f"trained: {t['layers']} layers, {_params(t['parameters'])}, offload {t['offload']}")
     if run.get("step_s"):
-        parts.append(f"{run['step_s']:.2f} s/step ({len(run['steps'])} steps; planned {_s(t.get('predicted_step_s'))})")
+        parts.append(f"{run['step_s']:.2f} s/step ({len(run['steps'])} steps; planner predicted "
+                     f"{_s(t.get('predicted_step_s'))}{predicted_note(res)})")
+    elif run.get("status") == "incomplete":
+        parts.append(f"incomplete: {len(run.get('steps', []))} step(s) done")
+    states = run.get("states_gib") or {}
+    if states:
+        parts.append("engine's states GiB: " + ", ".join(f"{k} {states[k]:.2f}" for k in ("device", "host", "nvme")
+                                                         if k in states))
     peaks = run.get("peak_gib", {})
     if peaks:
         parts.append("peak GiB: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(peaks.items())) +
                      f", page files {run.get('disk_peak_gib', 0):.1f}")
     err = res.get("error") or run.get("error")
     return "; ".join(parts), err
+
+
+def predicted_note(res: dict) -> str:
+    t = res.get("trained_plan") or {}
+    if t.get("predicted_step_s") is None:
+        return " (the planner predicts accelerator steps only)" if res.get("device") == "cpu" else ""
+    run = res.get("run") or {}
+    ratio = f", {t['predicted_step_s'] / run['step_s']:.2f} of measured" if run.get("step_s") else ""
+    return f" at {res['peak_tflops']:.0f} TFLOP/s measured{ratio}" if res.get("peak_tflops") else ratio
 
 
 # ---- the summary ---------------------------------------------------------------------------------------------
@@ -167,11 +233,12 @@ def render(state: dict) -> str:
     spent = sum(s["seconds"] for s in state["stages"])
     out = [f"### GPU check, {state['started'][:10]}: {machine_line(state)}", "",
            f"Command: `{state.get('command', 'bash benchmarks/gpu_check.sh')}` (started {state['started']}; stage caps "
-           f"{state['budget_s']} s in all, under the 480 s limit; {spent} s so far).", ""]
+           f"{state['budget_s']} s in all, under the {state.get('limit_s', 540)} s limit; {spent} s so far).", ""]
     if peak:
-        out += [f"Measured bf16 matmul peak (MFU is taken against it): **{peak['median_tflops']:.0f} TFLOP/s**, the "
-                f"median of {peak['samples']} groups of {peak['per_sample']} {peak['size']}^3 matmuls after warm-up "
-                f"(min {peak['min_tflops']:.0f}, max {peak['max_tflops']:.0f}); the datasheet's "
+        out += [f"Measured {peak.get('dtype', 'bf16')} matmul peak (MFU is taken against it): "
+                f"**{_tf(peak['median_tflops'])} TFLOP/s**, the median of {peak['samples']} groups of "
+                f"{peak['per_sample']} {peak['size']}^3 matmuls{_timed(peak) or ' after warm-up'} (min "
+                f"{_tf(peak['min_tflops'])}, max {_tf(peak['max_tflops'])}); the datasheet's "
                 f"{DATASHEET_TFLOPS:g} is the second MFU column ({peak['median_tflops'] / DATASHEET_TFLOPS:.0%} "
                 f"of it).", ""]
     out += ["| stage | status | seconds (cap) | figures |", "|---|---|---:|---|"]
@@ -181,13 +248,22 @@ def render(state: dict) -> str:
             fig = f"{s['error']}" + (f" / {fig}" if fig else "")
         elif s.get("error"):
             fig += f" (note: {s['error']})"
+        fig = fig or "(no figures: see logs.txt)"
         out.append(f"| {s['title']} | {s['status']} | {s['seconds']} ({s['cap']}) | {fig.replace('|', '/')} |")
     for s in state["stages"]:
         res = s.get("result")
+        if s["kind"] == "tests" and res and res.get("tests"):
+            out += ["", f"#### {s['title']}", "", "| test | outcome |", "|---|---|"]
+            out += [f"| {node} | {outcome} |" for node, outcome in res["tests"].items()]
         if s["kind"] == "peers" and res and res.get("table"):
             out += ["", f"#### {s['title']}", "", res.get("header", ""), "", *res["table"]]
         if s["kind"] == "maxscale" and res:
             out += ["", f"#### {s['title']}", "", *maxscale_section(res)]
+    tails = [(f"{s['title']} / {name}", tail) for s in state["stages"] for name, tail in job_tails(s.get("result"))]
+    if tails:
+        out += ["", "#### Failed or incomplete jobs: the last lines of their logs"]
+        for name, tail in tails:
+            out += ["", f"{name}:", "", "```", *tail, "```"]
     notes = state.get("notes", [])
     if notes:
         out += ["", "Notes:", ""] + [f"- {n}" for n in notes]
@@ -231,6 +307,17 @@ def maxscale_section(res: dict) -> list[str]:
     return lines
 
 
+def job_tails(res: dict | None) -> list[tuple[str, list[str]]]:
+    """(job, its log's last lines) of each failed or incomplete job of a stage's result."""
+    if not res:
+        return []
+    tails = [(r["key"], r["log_tail"]) for r in res.get("results", []) if r.get("log_tail")]
+    run = res.get("run") or {}
+    if run.get("log_tail"):
+        tails.append(("training run", run["log_tail"]))
+    return tails
+
+
 def stage_row(a: argparse.Namespace, state: dict) -> dict:
     """A stage's row: its status, its figures (from its result file or its log) and its telling error line."""
     kind = "peers" if a.name in ("dense", "offload") else a.name  # what the figures are read from
@@ -242,7 +329,7 @@ def stage_row(a: argparse.Namespace, state: dict) -> dict:
         state["peak"] = _load(a.result)
         row["figures"] = peak_figures(state["peak"], state["machine"]) or a.figures
     elif kind == "tests":
-        row["figures"], skipped = tests_figures(a.log)
+        row["figures"], skipped, row["result"] = tests_figures(a.log)
         if skipped and a.rc == 0:
             row["status"] = skipped
     elif kind in ("peers", "maxscale"):
@@ -262,7 +349,8 @@ def save(state: dict, a: argparse.Namespace) -> None:
         f.write(render(state))
 
 
-def append_log(a: argparse.Namespace, title: str, rc: int, log: str | None) -> None:
+def append_log(a: argparse.Namespace, title: str, rc: int, log: str | None, result: dict | None = None) -> None:
+    """The stage log's tail, then each failed or incomplete job's (its traceback is in its own log)."""
     if not a.logs or not log:
         return
     lines = _lines(log)
@@ -270,6 +358,8 @@ def append_log(a: argparse.Namespace, title: str, rc: int, log: str | None) -> N
         f.write(f"\n===== {title}: exit {rc}; last {min(len(lines), LOG_TAIL_LINES)} of {len(lines)} lines of "
                 f"{log} =====\n")
         f.write("\n".join(lines[-LOG_TAIL_LINES:]) + "\n")
+        for name, tail in job_tails(result):
+            f.write(f"\n===== {title} / {name}: its log's last {len(tail)} lines =====\n" + "\n".join(tail) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     i = sub.add_parser("init")
     i.add_argument("--budget", type=int, required=True)
+    i.add_argument("--limit", type=int, default=540, help="the seconds the whole check may run")
     i.add_argument("--command", default="bash benchmarks/gpu_check.sh")
     s = sub.add_parser("stage")
     s.add_argument("--name", required=True, help="the stage (dense and offload read a gpu_peers result)")
@@ -299,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.cmd == "init":
         state = {"started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                 "budget_s": a.budget, "command": a.command, "stages": [], "notes": [], "machine": {}, "peak": None}
+                 "budget_s": a.budget, "limit_s": a.limit, "command": a.command, "stages": [], "notes": [],
+                 "machine": {}, "peak": None}
         save(state, a)
         if a.logs:
             open(a.logs, "w", encoding="utf-8").close()  # a reused OUT starts a new log file
@@ -319,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     row = stage_row(a, state)
     state["stages"] = [x for x in state["stages"] if x["name"] != a.name] + [row]
     save(state, a)
-    append_log(a, a.title, a.rc, a.log)
+    append_log(a, a.title, a.rc, a.log, row["result"] if row["kind"] != "tests" else None)
     return 0
 
 

@@ -2,7 +2,8 @@
 (gpu_check.sh stage 5): planned against measured memory per tier.
 
     python -m benchmarks.gpu_max_scale --json maxscale.json
-    python -m benchmarks.gpu_max_scale --device cpu --family 128,4,512 --seq 64 --layers 2 --slice-host-gib 2
+    python -m benchmarks.gpu_max_scale --device cpu --family 128,4,512 --seq 64 --layers 2 --slice-host-gib 2 \
+        --no-whole-machine
 
 1. The scratch folder of the SSD tier: --nvme-path, else the first disk-backed one of benchmarks/logs/ (the
    repository's disk), /var/tmp and the temporary folder. A folder on tmpfs or ramfs is memory, not disk:
@@ -12,11 +13,16 @@
    gives states 90% of the host memory it is told about and has no flag for that share; telling it a smaller
    host memory is how pinned buffers are kept from pushing the machine out of memory.
 3. The trained run: the planner's --largest for a slice of the machine (--slice-device-gib, --slice-host-gib,
-   --slice-disk-gib; its config puts budgets per tier in the JSON), or its config for --layers N, trained 3
-   steps with ``pretrain_gpt.py --deepspeed`` under --budget-s. The whole machine's largest is far slower (its
-   SSD traffic and a model build of billions of parameters take minutes), so it is planned, not trained.
-4. Measured: s/step, each tier's peak from the trainer's log (GPU max allocated, host RSS, the engine's states
-   per tier), the page files' peak disk space; against the plan's need per tier.
+   --slice-disk-gib; its config puts budgets per tier in the JSON), or its config for --layers N, with the
+   states offloaded as --offload says (default nvme: the optimizer's sub-groups that are not kept on the device
+   live on SSD, so all three tiers hold states), trained 3 steps with ``pretrain_gpt.py --deepspeed`` under
+   --budget-s. The whole machine's largest is far slower (its SSD traffic and a model build of billions of
+   parameters take minutes), so it is planned, not trained. The planner's step prediction is at the measured
+   matmul peak (--peak-json) where there is one.
+4. Measured: s/step, each tier's peak from the trainer's log (GPU max allocated, host RSS, the engine's own
+   report of the bytes of states it holds per tier), the page files' peak disk space; against the plan's need
+   per tier. A run whose plan puts states on SSD but whose engine reports none there fails: the SSD tier is
+   what this stage checks.
 The JSON (--json) is written after each step of this list, so a cut run keeps what it did.
 """
 from __future__ import annotations
@@ -32,6 +38,7 @@ import statistics
 import sys
 import tempfile
 import threading
+import time
 
 import psutil
 
@@ -41,10 +48,12 @@ from benchmarks.peer_workers.harness import (
     Terminated,
     cut_reason,
     first_error,
+    log_tail,
     mock_trainer_flags,
     raise_on_sigterm,
     run_job,
     terminated,
+    torchrun,
 )
 from zero_cache.aio import nearest_existing_dir
 
@@ -147,15 +156,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=32000, help="NullTokenizer vocabulary (the model pads + eod)")
     p.add_argument("--layers", type=int, help="train this many layers with the planner's config (no --largest)")
     p.add_argument("--slice-device-gib", type=float, default=16.0, help="GPU memory the trained run is planned for")
-    p.add_argument("--slice-host-gib", type=float, default=10.0, help="host memory the trained run is planned for")
-    p.add_argument("--slice-disk-gib", type=float, default=4.0, help="free disk the trained run is planned for")
+    p.add_argument("--slice-host-gib", type=float, default=6.0, help="host memory the trained run is planned for")
+    p.add_argument("--slice-disk-gib", type=float, default=8.0, help="free disk the trained run is planned for")
+    p.add_argument("--offload", choices=["auto", "none", "cpu", "cpu+nvme", "nvme"], default="nvme",
+                   help="the trained run's offload (default nvme: states on all three tiers; auto: the planner's "
+                        "fastest that fits)")
+    p.add_argument("--device-rate", type=float,
+                   help="the share of optimizer sub-groups kept on the device tier, instead of the planner's "
+                        "prefetch_cache_sub_group_rate (on a CPU the planner keeps them all there, in host RAM: the "
+                        "CPU rehearsal gives 0 so that the SSD tier holds states)")
+    p.add_argument("--peak-json", help="benchmarks.matmul_peak --json output: the planner predicts steps at its "
+                                       "median TFLOP/s")
     p.add_argument("--host-fraction", type=float, default=0.6,
                    help="share of available host memory the whole-machine plan is told about (default 0.6)")
     p.add_argument("--no-whole-machine", action="store_true",
                    help="skip the whole-machine plan (a tiny family's largest on a CPU is millions of layers)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--nvme-path", help="scratch folder of the SSD tier (default: see above)")
-    p.add_argument("--budget-s", type=float, default=600, help="seconds for the training run")
+    p.add_argument("--budget-s", type=float, default=600, help="seconds for everything: the plans, then the training "
+                                                              "run gets what is left")
     p.add_argument("--keep-pages", action="store_true", help="leave the SSD page files in the scratch folder")
     p.add_argument("--json", help="write the figures here (after each step)")
     p.add_argument("--log", help="the training log (default: next to --json, else under benchmarks/logs/)")
@@ -164,16 +183,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         a.hidden, a.heads, a.ffn = (int(x) for x in a.family.split(","))
     except ValueError:
         p.error(f"--family takes hidden,heads,ffn as three integers, got {a.family!r}")
+    if a.device_rate is not None and not 0 <= a.device_rate <= 1:
+        p.error(f"--device-rate must be in [0, 1], got {a.device_rate}")
     if not 0 < a.host_fraction <= 0.9:
         p.error(f"--host-fraction must be in (0, 0.9], got {a.host_fraction}")
     if a.steps < 1 or (a.layers is not None and a.layers < 1):
         p.error("--steps and --layers must be >= 1")
+    a.peak_tflops = None
+    if a.peak_json:
+        try:
+            with open(a.peak_json, encoding="utf-8") as f:
+                a.peak_tflops = float(json.load(f)["median_tflops"])
+        except (OSError, ValueError, KeyError) as e:
+            p.error(f"--peak-json {a.peak_json}: no median_tflops there ({e})")
     return a
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    out: dict = {"started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    deadline = time.monotonic() + a.budget_s
+    out: dict = {"started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "device": a.device,
                  "family": {"hidden": a.hidden, "heads": a.heads, "ffn": a.ffn, "seq": a.seq, "vocab": a.vocab},
                  "status": "running", "notes": []}
 
@@ -208,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
                  str(a.heads), "--ffn-hidden-size", str(a.ffn), "--seq-length", str(a.seq),
                  "--vocab-size", str(a.vocab + 1), "--nproc-per-node", "1", "--device", a.device,
                  "--nvme-path", nvme] + (["--bf16"] if a.device == "cuda" else [])
+        if a.peak_tflops and a.device == "cuda":
+            model += ["--device-tflops", f"{a.peak_tflops:.1f}"]
+        out["peak_tflops"] = a.peak_tflops
 
         # The whole machine, planned only.
         whole = None
@@ -225,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
                         os.path.join(LOGS_DIR, f"gpu_max_scale-{datetime.datetime.now():%Y%m%d-%H%M%S}.log"))
         os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
         cfg = os.path.splitext(log)[0] + "_ds.json"  # beside the log
-        sliced = ["--host-memory-gib", str(a.slice_host_gib), "--nvme-free-gib", str(a.slice_disk_gib)]
+        sliced = ["--host-memory-gib", str(a.slice_host_gib), "--nvme-free-gib", str(a.slice_disk_gib),
+                  "--offload", a.offload]
         if a.device == "cuda":
             sliced += ["--device-memory-gib", str(a.slice_device_gib)]
         rc, trained, err = plan(model + ([] if a.layers else ["--largest"]) + sliced + ["--write-ds-config", cfg])
@@ -236,18 +269,26 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpu_max_scale: planner: {reason}", file=sys.stderr)
             return 1
         out["trained_plan"] = plan_summary(trained)
+        if a.device_rate is not None:
+            with open(cfg, encoding="utf-8") as f:
+                ds = json.load(f)
+            ds["zero_optimization"]["prefetch_cache_sub_group_rate"] = a.device_rate
+            with open(cfg, "w", encoding="utf-8") as f:
+                json.dump(ds, f, indent=1)
+            out["notes"].append(f"prefetch_cache_sub_group_rate {a.device_rate:g} (--device-rate) instead of the "
+                                f"planner's {trained['option']['rate']:g}")
         out["slice"] = {"device_gib": a.slice_device_gib if a.device == "cuda" else None,
                         "host_gib": a.slice_host_gib, "disk_gib": a.slice_disk_gib}
         save()
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-               "pretrain_gpt.py", *trained["megatron_args"],
+        cmd = [*torchrun(sys.executable, 1), "pretrain_gpt.py", *trained["megatron_args"],
                "--global-batch-size", str(trained["option"]["micro_batch_size"]), "--train-iters", str(a.steps),
                "--lr", "1e-4", "--lr-decay-style", "constant", *mock_trainer_flags(a.vocab, a.device),
                "--deepspeed", "--deepspeed_config", cfg]
         print(f"trained: {out['trained_plan']['message']}\n$ {' '.join(cmd)}\nlog: {log}", flush=True)
         disk = DiskMonitor(nvme)
-        rc, wall = run_job(cmd, log, a.budget_s, dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count() or 1)))
-        out["run"] = measured(log, disk.stop(), wall, rc, a)
+        timeout = max(1.0, deadline - time.monotonic())
+        rc, wall = run_job(cmd, log, timeout, dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count() or 1)))
+        out["run"] = measured(log, disk.stop(), wall, rc, timeout, a, out["trained_plan"]["need_gib"])
         out["status"] = out["run"]["status"]
         save()
         if terminated():  # the stage's limit came during the run, which is recorded
@@ -264,24 +305,37 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(os.path.join(scratch_pages, "zc_pages"), ignore_errors=True)
 
 
-def measured(log: str, disk_peak_gib: float, wall: float, rc: int | None, a: argparse.Namespace) -> dict:
-    """The training run's figures from its log (one line per iteration) and the page files' peak disk space."""
+def measured(log: str, disk_peak_gib: float, wall: float, rc: int | None, timeout: float, a: argparse.Namespace,
+             need_gib: dict[str, float]) -> dict:
+    """The training run's figures from its log (one line per iteration), the bytes of states the engine reports
+    per tier, and the page files' peak disk space."""
     from tools.plot_run import LogParseError, parse_log, summary
 
-    res = {"log": log, "wall_s": wall, "disk_peak_gib": disk_peak_gib, "steps": [], "losses": [], "peak_gib": {}}
+    res = {"log": log, "wall_s": wall, "disk_peak_gib": disk_peak_gib, "steps": [], "losses": [], "peak_gib": {},
+           "states_gib": {}}
     try:
         run = parse_log(log)
         res.update(steps=run.step_time_s, losses=run.lm_loss, peak_gib=summary(run)["peak_memory_gib"])
     except LogParseError:
         pass
+    # The engine's own report (memory_report().by_tier, logged as "<tier> states" GiB every iteration).
+    res["states_gib"] = {k.split()[0]: v for k, v in res["peak_gib"].items() if k.endswith(" states")}
     steady = res["steps"][1:] or res["steps"]
     res["step_s"] = statistics.median(steady) if steady else None
+    res["fixed_s"] = max(0.0, wall - sum(res["steps"]))  # process start, imports, model build, teardown
     if rc is None:
-        res["status"], res["error"] = "timeout", f"{cut_reason(a.budget_s, wall)} ({len(res['steps'])} steps logged)"
+        res["status"] = "incomplete"
+        res["error"] = f"{cut_reason(timeout, wall)} ({len(res['steps'])} steps logged)"
     elif rc or len(res["steps"]) != a.steps:
         res["status"], res["error"] = "failed", first_error(os.path.dirname(log), log, rc or 1)
+    elif a.offload == "nvme" and not res["states_gib"].get("nvme"):
+        res["status"] = "failed"
+        res["error"] = (f"--offload nvme (the plan: {need_gib.get('nvme', 0):.2f} GiB on SSD) but the engine reports "
+                        f"no states there (states GiB by tier: {res['states_gib'] or 'none logged'})")
     else:
         res["status"] = "ok"
+    if res["status"] != "ok":
+        res["log_tail"] = log_tail(log)
     return res
 
 

@@ -1,12 +1,14 @@
 """The machine's own matmul ceiling, the figure MFU is measured against (gpu_check.sh's preflight).
 
     python -m benchmarks.matmul_peak                          # 8192^3 bf16 on cuda:0: median TFLOP/s
-    python -m benchmarks.matmul_peak --device cpu --size 512 --dtype fp32 --json peak.json
+    python -m benchmarks.matmul_peak --device cpu --size 512 --dtype fp32 --seconds 1 --json peak.json
 
-Square matmuls after a warm-up (clocks up, cuBLAS heuristics chosen), timed in groups of ``--per-sample``
-(CUDA events around each group on a GPU, the wall clock on a CPU); the figure is the median over
-``--samples`` groups, with the spread beside it. A datasheet peak assumes boost clocks and ideal kernels;
-the median of a sustained run on this very machine is what a training step can actually approach.
+Square matmuls back to back for ``--warmup-s`` seconds first (clocks up, then settled at what the power and
+heat allow; cuBLAS heuristics chosen), then ``--samples`` groups sized so that together they take about
+``--seconds`` (CUDA events around each group on a GPU, the wall clock on a CPU); the figure is the median
+group, with the spread beside it. A datasheet peak assumes boost clocks and ideal kernels; the median of a
+sustained run of several seconds on this very machine is what a training step can actually approach (a
+fraction of a second of matmuls measures the boost clock).
 Also prints (and writes with ``--json``) what the machine is: device name and memory, torch, CUDA, python.
 """
 from __future__ import annotations
@@ -40,8 +42,10 @@ def machine(device: str) -> dict:
     return info
 
 
-def measure(device: str, dtype: str, size: int, warmup: int, samples: int, per_sample: int) -> list[float]:
-    """TFLOP/s of each timed group of ``per_sample`` matmuls of two size x size matrices."""
+def measure(device: str, dtype: str, size: int, warmup_s: float, samples: int, seconds: float
+            ) -> tuple[list[float], int]:
+    """TFLOP/s of each of ``samples`` timed groups of matmuls of two size x size matrices, and the matmuls per
+    group (sized from the warm-up's speed so that the groups take about ``seconds`` in all)."""
     import torch
 
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
@@ -49,29 +53,31 @@ def measure(device: str, dtype: str, size: int, warmup: int, samples: int, per_s
     a = torch.randn(size, size, device=device, dtype=dt, generator=gen)
     b = torch.randn(size, size, device=device, dtype=dt, generator=gen)
     out = torch.empty(size, size, device=device, dtype=dt)
-    flops = 2.0 * size ** 3 * per_sample
     cuda = device == "cuda"
-    for _ in range(warmup):
-        torch.mm(a, b, out=out)
-    if cuda:
-        torch.cuda.synchronize()
-    rates = []
-    for _ in range(samples):
+
+    def timed(n: int) -> float:
+        """Seconds of ``n`` matmuls back to back."""
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for _ in range(per_sample):
+            for _ in range(n):
                 torch.mm(a, b, out=out)
             end.record()
             end.synchronize()
-            seconds = start.elapsed_time(end) / 1e3
-        else:
-            t0 = time.perf_counter()
-            for _ in range(per_sample):
-                torch.mm(a, b, out=out)
-            seconds = time.perf_counter() - t0
-        rates.append(flops / seconds / 1e12)
-    return rates
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        for _ in range(n):
+            torch.mm(a, b, out=out)
+        return time.perf_counter() - t0
+
+    n, spent, one = 1, 0.0, timed(1)
+    while spent < warmup_s:  # groups growing to about 0.1 s, so the warm-up runs back to back
+        took = timed(n)
+        spent, one = spent + took, took / n
+        n = max(1, min(2 * n, int(0.1 / max(one, 1e-9))))
+    per_sample = max(1, round(seconds / samples / max(one, 1e-9)))
+    flops = 2.0 * size ** 3 * per_sample
+    return [flops / timed(per_sample) / 1e12 for _ in range(samples)], per_sample
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,26 +85,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--size", type=int, default=8192, help="matrix side (default 8192)")
-    p.add_argument("--warmup", type=int, default=50, help="untimed matmuls first")
-    p.add_argument("--samples", type=int, default=20, help="timed groups; the median is the figure")
-    p.add_argument("--per-sample", type=int, default=10, help="matmuls per timed group")
+    p.add_argument("--warmup-s", type=float, default=2.0, help="seconds of untimed matmuls first (default 2)")
+    p.add_argument("--samples", type=int, default=15, help="timed groups; the median is the figure")
+    p.add_argument("--seconds", type=float, default=6.0, help="the timed groups' seconds in all (default 6)")
     p.add_argument("--json", help="also write the figures to this file")
     a = p.parse_args(argv)
-    if min(a.size, a.samples, a.per_sample) < 1 or a.warmup < 0:
-        p.error("--size, --samples and --per-sample must be >= 1 and --warmup >= 0")
+    if min(a.size, a.samples) < 1 or a.warmup_s < 0 or a.seconds <= 0:
+        p.error("--size and --samples must be >= 1, --warmup-s >= 0 and --seconds > 0")
     import torch
 
     if a.device == "cuda" and not torch.cuda.is_available():
         print("matmul_peak: error: no CUDA device (use --device cpu)", file=sys.stderr)
         return 2
-    rates = measure(a.device, a.dtype, a.size, a.warmup, a.samples, a.per_sample)
+    t0 = time.perf_counter()
+    rates, per_sample = measure(a.device, a.dtype, a.size, a.warmup_s, a.samples, a.seconds)
     result = {"machine": machine(a.device), "dtype": a.dtype, "size": a.size, "samples": len(rates),
-              "per_sample": a.per_sample, "median_tflops": statistics.median(rates), "min_tflops": min(rates),
-              "max_tflops": max(rates), "tflops": rates}
+              "per_sample": per_sample, "warmup_s": a.warmup_s, "seconds": time.perf_counter() - t0,
+              "median_tflops": statistics.median(rates), "min_tflops": min(rates), "max_tflops": max(rates),
+              "tflops": rates}
     m = result["machine"]
     print(f"{m['device']}: {a.dtype} {a.size}^3 matmul median {result['median_tflops']:.4g} TFLOP/s "
-          f"(min {result['min_tflops']:.4g}, max {result['max_tflops']:.4g}; {len(rates)} x {a.per_sample} after "
-          f"{a.warmup} warm-up); torch {m['torch']}, python {m['python']}")
+          f"(min {result['min_tflops']:.4g}, max {result['max_tflops']:.4g}; {len(rates)} x {per_sample} after "
+          f"{a.warmup_s:g} s of warm-up, {result['seconds']:.1f} s in all); torch {m['torch']}, python {m['python']}")
     if a.json:
         with open(a.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)

@@ -18,9 +18,10 @@ streams.py): a shard read from SSD is copied to the device straight from the buf
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -42,19 +43,50 @@ class Pinning(Protocol):
         """Whether a copy engine can read ``t`` directly."""
 
 
-class CudaPinning:
-    """``cudaHostRegister`` on memory the engine mapped itself; ``is_pinned`` also knows torch's own pinned
-    blocks (``Tensor.pin_memory``, a DataLoader's ``pin_memory``)."""
+class CudaRuntime:
+    """torch's bindings of the CUDA runtime (``torch.cuda.cudart()``) and the ``cudaGetLastError`` they lack,
+    taken from the libcudart torch has loaded (dlopen by soname returns the copy already in the process, whose
+    per-thread last error is the one torch's launch checks read)."""
 
     def __init__(self):
+        self._bindings = torch.cuda.cudart()
+        self.cudaError = self._bindings.cudaError
+        self.cudaHostRegister = self._bindings.cudaHostRegister
+        self.cudaHostUnregister = self._bindings.cudaHostUnregister
+        self.cudaGetErrorString = self._bindings.cudaGetErrorString
+        name = f"libcudart.so.{torch.version.cuda.split('.')[0]}"
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError as e:  # a torch build with the runtime linked in statically: nothing to call
+            why = str(e)
+            self.cudaGetLastError = lambda: logger.warning(
+                "zero_cache: %s not loadable (%s): a refused cudaHostRegister stays the runtime's last error, "
+                "which the next kernel launch check reports", name, why)
+            return
+        lib.cudaGetLastError.restype = ctypes.c_int
+        self.cudaGetLastError = lib.cudaGetLastError
+
+
+class CudaPinning:
+    """``cudaHostRegister`` on memory the engine mapped itself; ``is_pinned`` also knows torch's own pinned
+    blocks (``Tensor.pin_memory``, a DataLoader's ``pin_memory``). ``cudart``: the runtime (CudaRuntime when
+    omitted, made at the first registration)."""
+
+    def __init__(self, cudart: Any = None):
+        self._cudart = cudart
         self._registered: set[int] = set()  # storage data pointers (each mapping's start)
         self._lock = threading.Lock()
         self._warned = False
 
     def register(self, ptr: int, nbytes: int) -> bool:
-        cudart = torch.cuda.cudart()
+        if self._cudart is None:
+            self._cudart = CudaRuntime()
+        cudart = self._cudart
         err = cudart.cudaHostRegister(ptr, nbytes, 0)
         if err != cudart.cudaError.success:
+            # A failed call also sets the runtime's last error, which torch's next kernel-launch check would
+            # raise as that kernel's own failure; the failure is handled here (the memory stays pageable).
+            cudart.cudaGetLastError()
             if not self._warned:
                 self._warned = True
                 logger.warning("zero_cache: could not pin %d bytes of host memory (%s); copies from it are staged "
@@ -67,7 +99,7 @@ class CudaPinning:
     def unregister(self, ptr: int) -> None:
         with self._lock:
             self._registered.discard(ptr)
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+        self._cudart.cudaHostUnregister(ptr)
 
     def is_pinned(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() in self._registered or t.is_pinned()

@@ -1,5 +1,7 @@
 """PyTorch FSDP2 (``fully_shard`` per transformer layer, then the root), optionally with CPUOffloadPolicy; in
-bf16 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32 sharded parameters."""
+bf16 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32 sharded parameters. On one rank
+``reshard_after_forward=False``: there a "shard" is the whole parameter, and freeing the gathered copy after the
+forward only to gather it again for the backward is a copy for nothing."""
 from __future__ import annotations
 
 import torch
@@ -19,9 +21,11 @@ class Fsdp2Trainer:
         policy = CPUOffloadPolicy(pin_memory=cuda) if offload else OffloadPolicy()
         mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if spec.dtype == "bf16" else MixedPrecisionPolicy()
+        reshard = dist.get_world_size() > 1
         for layer in model.decoder.layers:
-            fully_shard(layer, mesh=mesh, offload_policy=policy, mp_policy=mixed)
-        fully_shard(model, mesh=mesh, offload_policy=policy, mp_policy=mixed)  # embedding, final norm, tied head
+            fully_shard(layer, mesh=mesh, offload_policy=policy, mp_policy=mixed, reshard_after_forward=reshard)
+        # The root: embedding, final norm, tied head.
+        fully_shard(model, mesh=mesh, offload_policy=policy, mp_policy=mixed, reshard_after_forward=reshard)
         self.model, self.gas, self.clip = model, gas, spec.clip_grad
         # Groups are built after sharding: fully_shard replaces the parameters with DTensor shards.
         self.optimizer = torch.optim.AdamW(param_groups(model, spec.weight_decay), lr=spec.lr, betas=BETAS, eps=EPS,

@@ -127,6 +127,15 @@ def first_error(out_dir: str, log_path: str, rc: int) -> str:
     return errors[-1] if errors else f"exit code {rc}"
 
 
+def log_tail(log_path: str, lines: int = 40) -> list[str]:
+    """The last ``lines`` lines of a job's log (a failed rank's traceback is there: torchrun passes its output on)."""
+    try:
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            return [ln.rstrip("\n") for ln in f][-lines:]
+    except OSError:
+        return []
+
+
 def write_error(out_dir: str, rank: str, e: BaseException) -> None:
     """A worker rank's failure where ``first_error`` finds it: the exception's first line, then the traceback."""
     with open(os.path.join(out_dir, f"error_rank{rank}.txt"), "w", encoding="utf-8") as f:
@@ -142,12 +151,19 @@ def fresh_job_dir(out_dir: str) -> None:
             os.remove(os.path.join(out_dir, name))
 
 
+def torchrun(python: str, nproc: int) -> list[str]:
+    """torchrun for ``nproc`` ranks on this machine, over the loopback address. ``--standalone`` would give each
+    rank the host's FQDN as MASTER_ADDR: on a machine without network whose hostname is not in /etc/hosts that
+    name does not resolve and every job hangs at its rendezvous. Port 0: the store takes a free port."""
+    return [python, "-m", "torch.distributed.run", "--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            "127.0.0.1:0", "--local-addr", "127.0.0.1", "--nproc-per-node", str(nproc)]
+
+
 def worker_cmd(python: str, nproc: int, impl: str, system: str, spec_path: str, out_dir: str,
                offload: bool) -> list[str]:
     """One system's torchrun job of ``benchmarks.peer_workers.worker``."""
-    return [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-            "-m", "benchmarks.peer_workers.worker", "--impl", impl, "--system", system, "--spec", spec_path,
-            "--out-dir", out_dir] + (["--offload"] if offload else [])
+    return [*torchrun(python, nproc), "-m", "benchmarks.peer_workers.worker", "--impl", impl, "--system", system,
+            "--spec", spec_path, "--out-dir", out_dir] + (["--offload"] if offload else [])
 
 
 def mock_trainer_flags(vocab: int, device: str) -> list[str]:

@@ -1,8 +1,8 @@
 """One rank of one system's benchmark job; launched under torchrun by ``benchmarks.zero3_vs_peers``,
 ``benchmarks.moe_vs_peers``, ``benchmarks.max_scale`` and ``benchmarks.max_scale_moe``:
 
-    torchrun --standalone --nproc-per-node 2 -m benchmarks.peer_workers.worker \
-        --impl ours --offload --spec spec.json --out-dir DIR
+    torchrun --nnodes 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:0 --local-addr 127.0.0.1 --nproc-per-node 2 \
+        -m benchmarks.peer_workers.worker --impl ours --offload --spec spec.json --out-dir DIR
 
 Writes ``DIR/result_rank{r}.json``, or ``DIR/error_rank{r}.txt`` (the exception, one line) before failing.
 """

@@ -1,8 +1,9 @@
-"""benchmarks/gpu_check.sh: the --dry-run plan (every stage's command with the flags that matter, the caps and
-their sum under the 480 s limit, nothing touched), and the real script driven by a stub python (CPU, seconds):
-the summary is rewritten after every stage, a failed or timed-out stage is reported with its error line and the
-next stage still runs, and only the few files that come back are written to OUT. What the stages' programs
-measure is checked in test_gpu_check_stages.py (on CPU), test_gpu_check_parts.py and test_profile_overlap.py."""
+"""benchmarks/gpu_check.sh: the --dry-run plan (every stage's command with the flags that matter, in the order that
+matters, the caps and their sum under the 540 s limit, nothing touched; the rehearsal's the same jobs on CPU), and
+the real script driven by a stub python (CPU, seconds): the summary is rewritten after every stage, a failed or
+timed-out stage is reported with its error line and the next stage still runs, and only the few files that come
+back are written to OUT. What the stages' programs measure is checked in test_gpu_check_stages.py (on CPU),
+test_gpu_check_parts.py, test_gpu_check_rehearsal.py and test_profile_overlap.py."""
 import json
 import os
 import re
@@ -41,6 +42,9 @@ if module in os.environ.get("STUB_FAIL", "").split(","):
 def out(flag):
     return args[args.index(flag) + 1]
 if module == "pytest":
+    print("4 workers [4 items]")
+    for k, outcome in enumerate(["PASSED", "PASSED", "SKIPPED", "PASSED"]):
+        print(f"[gw{k}] [{25 * (k + 1):3d}%] {outcome} tests/cuda/test_a.py::t{k}")
     print("3 passed, 1 skipped in 1.00s")
 elif module == "benchmarks.matmul_peak":
     json.dump({"machine": {"device": "Stub GPU", "torch": "stub", "python": "3", "cuda": "13.0"}, "dtype": "bf16",
@@ -86,21 +90,28 @@ def _plan(out: Path) -> tuple[str, list[str], dict[str, list[str]]]:
     return proc.stdout, list(stages), stages
 
 
-def test_dry_run_prints_every_stage_with_its_cap_and_a_total_under_480_s(tmp_path):
+def test_dry_run_prints_every_stage_with_its_cap_and_a_total_under_540_s(tmp_path):
     out = tmp_path / "out"
     text, order, stages = _plan(out)
     assert [next(s for s in order if s.startswith(p)) for p in STAGES] == order  # the six stages, in order
     caps = [int(stages[s][0]) for s in order]
-    total = int(re.search(r"caps sum to (\d+) s \(limit 480 s\)", text).group(1))
-    assert sum(caps) == total < 480 and f"total: caps sum to {total} s of the 480 s limit" in text
+    total = int(re.search(r"caps sum to (\d+) s \(limit 540 s\)", text).group(1))
+    assert sum(caps) == total < 540 and f"total: caps sum to {total} s of the 540 s limit" in text
     work = Path(re.search(r"raw logs: (\S+)", text).group(1))
     assert not out.exists() and not work.exists()  # a dry run writes nothing
 
     setup, preflight, tests, dense, offload, maxscale = (stages[s][1:] for s in order)
-    assert setup == ["env PIP_RETRIES=0 PIP_TIMEOUT=5 bash -c 'source scripts/bootstrap.sh dev'"]
-    assert any(c.startswith("python -m benchmarks.matmul_peak --json ") for c in preflight)
-    assert tests == ["python -m pytest tests/cuda -q -rs -p no:cacheprovider -n 4 --timeout 80"]
-    for cmd, systems in ((dense, "ours-trainer fsdp2 megatron deepspeed ours"),
+    # python3 as it is when it has CUDA torch and the pins; bootstrap only otherwise.
+    assert setup == ["python3 -c 'import torch; torch.cuda.is_available()'",
+                     "python3 scripts/check_requirements.py --log '(no pip run)' requirements.txt "
+                     "requirements-dev.txt",
+                     "env PIP_RETRIES=0 PIP_TIMEOUT=5 bash -c 'source scripts/bootstrap.sh dev'"]
+    # The peak first, while nothing else runs, and sustained for seconds.
+    assert preflight[0].startswith("python -m benchmarks.matmul_peak --size 8192 --warmup-s 2 --seconds 6 --json ")
+    assert tests == [f"python -m pytest tests/cuda -v --tb=short -rs -p no:cacheprovider -n 4 --timeout 100 "
+                     f"--junitxml {work}/junit.xml"]
+    # The like-for-like pair first: our engine in the peers' loop, then FSDP2.
+    for cmd, systems in ((dense, "ours fsdp2 ours-trainer megatron deepspeed"),
                          (offload, "ours-offload fsdp2-offload deepspeed-offload")):
         assert len(cmd) == 1 and cmd[0].startswith("python -m benchmarks.gpu_peers --preset 1.3b --dtype bf16 ")
         assert f"--systems {systems} " in cmd[0] and "--peak-json " in cmd[0]  # MFU against the measured peak
@@ -109,9 +120,24 @@ def test_dry_run_prints_every_stage_with_its_cap_and_a_total_under_480_s(tmp_pat
         budget = int(re.search(r"--budget-s (\d+)", cmd).group(1))
         assert budget < int(cap)  # the driver stops its jobs before the stage's limit
     assert maxscale[0].startswith("python -m benchmarks.gpu_max_scale --family 4096,32,16384 --seq 2048 ")
-    for flag in ("--slice-device-gib 16", "--slice-host-gib 10", "--slice-disk-gib 4", "--host-fraction 0.6",
-                 "--steps 3"):
+    for flag in ("--slice-device-gib 16", "--slice-host-gib 6", "--slice-disk-gib 8", "--host-fraction 0.6",
+                 "--offload nvme", "--steps 3", "--peak-json"):
         assert f"{flag} " in maxscale[0], flag
+
+
+def test_the_rehearsal_plans_the_same_jobs_under_the_same_caps_on_cpu():
+    gpu = _run("--dry-run")
+    proc = _run("--dry-run", "--rehearse")
+    assert proc.returncode == 0, proc.stderr
+    caps = lambda text: re.findall(r"== stage (.+) \(cap (\d+) s\) ==", text)  # noqa: E731
+    assert caps(proc.stdout) == caps(gpu.stdout)
+    for module in ("matmul_peak", "gpu_peers", "gpu_max_scale"):
+        assert proc.stdout.count(f"-m benchmarks.{module} ") == gpu.stdout.count(f"-m benchmarks.{module} ")
+    assert "--systems ours fsdp2 ours-trainer megatron deepspeed " in proc.stdout
+    assert "-m benchmarks.gpu_peers --device cpu --preset tiny --dtype fp32 " in proc.stdout
+    assert "-m benchmarks.matmul_peak --device cpu --dtype fp32 " in proc.stdout
+    assert "-m benchmarks.gpu_max_scale --device cpu " in proc.stdout and "--offload nvme " in proc.stdout
+    assert "bootstrap" not in proc.stdout and "rehearsal, CPU: no set-up" in proc.stdout
 
 
 def test_default_work_folder_is_under_benchmarks_logs():
@@ -119,14 +145,14 @@ def test_default_work_folder_is_under_benchmarks_logs():
     assert proc.returncode == 0, proc.stderr
     work = Path(re.search(r"raw logs: (\S+)", proc.stdout).group(1))
     assert work.parent == ROOT / "benchmarks" / "logs" and work.name.startswith("gpu_check-")
-    assert f"brought back: {work}/{{summary.md,figures.json,logs.txt}}" in proc.stdout  # no OUT: the same folder
+    assert f"brought back: {work}/{{summary.md,figures.json,logs.txt,tests.txt}}" in proc.stdout  # no OUT: same
     assert not work.exists()
 
 
 @pytest.mark.parametrize("args,env,message", [
-    (["--bogus"], {}, "usage: bash benchmarks/gpu_check.sh [--dry-run] [--stages"),
+    (["--bogus"], {}, "usage: bash benchmarks/gpu_check.sh [--dry-run] [--rehearse] [--stages"),
     (["--stages", "tests,warp"], {}, "unknown stage 'warp'"),
-    (["--dry-run"], {"GPU_CHECK_CAPS": "dense=400"}, "caps sum to 725 s, not under the 480 s limit"),
+    (["--dry-run"], {"GPU_CHECK_CAPS": "dense=400"}, "caps sum to 765 s, not under the 540 s limit"),
     (["--dry-run"], {"GPU_CHECK_CAPS": "dense=ten"}, "GPU_CHECK_CAPS takes stage=seconds pairs"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, env, message):
@@ -165,7 +191,7 @@ def test_summary_is_rewritten_after_every_stage_and_only_the_record_comes_back(t
     proc, out, snaps, work = _stub_run(tmp_path)
     try:
         assert proc.returncode == 0, proc.stderr
-        assert sorted(p.name for p in out.iterdir()) == ["figures.json", "logs.txt", "summary.md"]
+        assert sorted(p.name for p in out.iterdir()) == ["figures.json", "logs.txt", "summary.md", "tests.txt"]
         # When each stage program started, the summary already held every earlier stage's row.
         seen = sorted(p.name for p in snaps.iterdir())
         assert [s.split("-", 1)[1] for s in seen] == ["benchmarks.matmul_peak.md", "pytest.md",
@@ -177,12 +203,14 @@ def test_summary_is_rewritten_after_every_stage_and_only_the_record_comes_back(t
         rows = _rows(summary)
         assert [r[0] for r in rows.values()] == ["PASS"] * 6, summary
         assert "**700 TFLOP/s**" in summary  # the measured peak, with the datasheet as the second figure
-        assert "3 passed, 1 skipped" in _row(rows, "2")[2]
+        assert _row(rows, "2")[2] == "3 passed, 1 skipped of 4 collected"
+        assert "| tests/cuda/test_a.py::t2 | SKIPPED |" in summary  # each test's outcome
+        assert "[gw3] [100%] PASSED tests/cuda/test_a.py::t3" in (out / "tests.txt").read_text()
         assert "ours (trainer) / FSDP2 2.00x" in summary and "80% of copies hidden" in summary
         assert "| nvme | 3.00 | page files 3.00 |" in summary  # planned against measured, per tier
         state = json.loads((out / "figures.json").read_text())
         assert [s["name"] for s in state["stages"]] == ["setup", "preflight", "tests", "dense", "offload", "maxscale"]
-        assert state["budget_s"] < 480 and all(s["cap"] > 0 for s in state["stages"])
+        assert state["budget_s"] < 540 and all(s["cap"] > 0 for s in state["stages"])
         assert "===== 3 dense" in (out / "logs.txt").read_text()  # the logs' tails come back, not the logs
     finally:
         subprocess.run(["rm", "-rf", str(work)], check=False)

@@ -18,13 +18,25 @@ def test_status_and_the_telling_error_line(tmp_path):
     assert rep.last_error(str(log)) == "only this" and rep.last_error(str(tmp_path / "none")) == "(no output)"
 
 
-def test_pytest_counts_and_a_run_that_only_skipped(tmp_path):
+def test_pytest_per_test_outcomes_even_from_a_run_cut_before_its_totals(tmp_path):
     log = tmp_path / "t.log"
-    log.write_text("FAILED tests/cuda/a.py::t1 - AssertionError\n=== 1 failed, 5 passed in 9.1s ===\n")
-    assert rep.tests_figures(str(log)) == ("1 failed, 5 passed in 9.1s; FAILED tests/cuda/a.py::t1 - AssertionError",
-                                           None)
-    log.write_text("14 skipped in 10.6s\n")
-    assert rep.tests_figures(str(log)) == ("14 skipped in 10.6s", "SKIPPED")  # no GPU seen
+    # Under xdist (-n 4 -v): one line per test as it ends; this run was killed before its totals line.
+    log.write_text("created: 4/4 workers\n4 workers [5 items]\n\n"
+                   "[gw0] [ 20%] PASSED tests/cuda/a.py::t0\n[gw1] [ 40%] FAILED tests/cuda/a.py::t1\n"
+                   "[gw2] [ 60%] SKIPPED tests/cuda/b.py::t2[bf16]\n")
+    figures, status, res = rep.tests_figures(str(log))
+    assert figures == "1 passed, 1 failed, 1 skipped of 5 collected; 2 not finished (cut); failed: tests/cuda/a.py::t1"
+    assert status is None and res == {"tests": {"tests/cuda/a.py::t0": "PASSED", "tests/cuda/a.py::t1": "FAILED",
+                                                "tests/cuda/b.py::t2[bf16]": "SKIPPED"}, "collected": 5}
+    # Without xdist, finished: a teardown error after PASSED is the test's outcome.
+    log.write_text("collected 2 items\n\ntests/cuda/a.py::t0 PASSED [ 50%]\ntests/cuda/a.py::t0 ERROR [ 50%]\n"
+                   "tests/cuda/a.py::t1 PASSED [100%]\n=== 1 passed, 1 error in 9.1s ===\n")
+    figures, status, res = rep.tests_figures(str(log))
+    assert figures == "1 passed, 1 error of 2 collected; failed: tests/cuda/a.py::t0"
+    assert res["tests"]["tests/cuda/a.py::t0"] == "ERROR"
+    log.write_text("4 workers [2 items]\n[gw0] [ 50%] SKIPPED tests/cuda/a.py::t0\n"
+                   "[gw1] [100%] SKIPPED tests/cuda/a.py::t1\n=== 2 skipped in 10.6s ===\n")
+    assert rep.tests_figures(str(log))[:2] == ("2 skipped of 2 collected", "SKIPPED")  # no GPU seen
 
 
 def _peers(tmp_path, offload=False):
@@ -36,8 +48,12 @@ def _peers(tmp_path, offload=False):
                      "overlap": {"copies": 3, "hidden": 0.75, "copy_seconds": 0.2} if offload else None},
                     {"key": keys[1], "status": "ok", "error": "", "overlap": None},
                     {"key": "deepspeed", "status": "not installed", "error": "`import deepspeed` fails"},
-                    {"key": "megatron", "status": "timeout", "error": "killed after 70 s"}],
-        "figures": {keys[0]: {"tokens_per_s": 30000.0, "mfu": 0.45, "loss_diff": 2e-3},
+                    {"key": "megatron", "status": "incomplete", "error": "killed after 70 s", "step_s": [9.5, 0.31],
+                     "log_tail": ["iteration 2/ 8 | elapsed time per iteration (ms): 310.0"]},
+                    {"key": "ours", "status": "failed", "error": "RuntimeError: boom", "step_s": [],
+                     "log_tail": ["Traceback (most recent call last):", "RuntimeError: boom"]}],
+        "figures": {keys[0]: {"tokens_per_s": 30000.0, "mfu": 0.45, "loss_diff": 2e-3, "predicted_step_s": 0.25,
+                              "median_step_s": 0.3, "predicted_over_measured": 0.25 / 0.3},
                     keys[1]: {"tokens_per_s": 25000.0, "mfu": 0.375}},
         "ratios": [{"ours": keys[0], "peer": keys[1], "ratio": 1.2}], "table": ["| system | tokens/s |", "|---|---|"]}))
     return path
@@ -74,8 +90,13 @@ def test_summary_after_each_stage_has_the_machine_the_peak_the_rows_and_the_rati
                                                   "(CUDA 13.0), python 3.12.3, 16 cores, 128 GiB RAM" in text
     assert "**741 TFLOP/s**" in text and "75% of it" in text  # against the datasheet's 989
     assert "| 3 dense | PASS | 10 (60) | ours (trainer) 30,000 tok/s (MFU 45%); FSDP2 25,000 tok/s (MFU 38%); " \
-           "Megatron timeout; ours (trainer) / FSDP2 1.20x; losses agree (max 2.0e-03 vs fsdp2)" in text
+           "Megatron incomplete (2 step(s) done: 9.50, 0.31 s); ours (worker) failed; ours (trainer) / FSDP2 1.20x; " \
+           "losses agree (max 2.0e-03 vs fsdp2); planner predicted / measured: ours (trainer) 0.25 / 0.30 s" in text
     assert "(note: megatron: killed after 70 s)" in text  # a job that did not finish is named even in a PASS row
+    # Each failed or incomplete job's last log lines come back, in the summary and in logs.txt.
+    assert "3 dense / ours:\n\n```\nTraceback (most recent call last):\nRuntimeError: boom\n```" in text
+    logs = (tmp_path / "l").read_text()
+    assert "===== 3 dense / megatron: its log's last 1 lines =====\niteration 2/ 8" in logs
     assert "ours+offload / FSDP2+offload 1.20x" in text and "75% of copies hidden" in text
     assert "| 4 offload | FAIL(rc=1) | 10 (60) | megatron: killed after 70 s / " in text
     assert "| 5 largest | FAIL(rc=1) | 10 (60) | RuntimeError: CUDA error: out of memory / really |" in text
@@ -83,7 +104,7 @@ def test_summary_after_each_stage_has_the_machine_the_peak_the_rows_and_the_rati
     state = json.loads((tmp_path / "f.json").read_text())
     assert [s["name"] for s in state["stages"]] == ["preflight", "dense", "offload", "maxscale"]
     assert [s["kind"] for s in state["stages"]] == ["preflight", "peers", "peers", "maxscale"]
-    assert (tmp_path / "l").read_text().count("=====") == 2 * 4  # one log tail per stage
+    assert logs.count("===== ") == 4 + 2 * 2  # one log tail per stage, and the two jobs' of dense and of offload
 
 
 def test_a_stage_recorded_again_replaces_its_row(tmp_path):
@@ -119,12 +140,14 @@ def test_fs_type_reads_the_mount_table():
     assert gpu_max_scale.fs_type("/") not in ("", "unknown")
 
 
-def test_matmul_peak_on_cpu_writes_its_median(tmp_path, capsys):
+def test_matmul_peak_on_cpu_times_several_groups_for_about_the_seconds_asked(tmp_path, capsys):
     out = tmp_path / "p.json"
-    assert matmul_peak.main(["--device", "cpu", "--dtype", "fp32", "--size", "64", "--warmup", "1", "--samples",
-                             "3", "--per-sample", "2", "--json", str(out)]) == 0
+    assert matmul_peak.main(["--device", "cpu", "--dtype", "fp32", "--size", "64", "--warmup-s", "0.2", "--samples",
+                             "3", "--seconds", "0.6", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["min_tflops"] <= res["median_tflops"] <= res["max_tflops"] and len(res["tflops"]) == 3
+    # Groups sized from the warm-up's speed: many small matmuls each, the whole run about warm-up + seconds.
+    assert res["per_sample"] > 10 and 0.6 <= res["seconds"] < 5
     assert res["machine"]["torch"] and "fp32 64^3 matmul median" in capsys.readouterr().out
 
 
@@ -134,3 +157,24 @@ def test_usage_errors_are_one_line(capsys):
     with pytest.raises(SystemExit) as e:
         p.parse_args(["--n", "x"])
     assert e.value.code == 2 and capsys.readouterr().err == "prog: error: argument --n: invalid int value: 'x'\n"
+
+
+def _trainer_log(path, nvme_gib: float, steps: int = 3):
+    lines = [f" iteration {i}/ {steps} | elapsed time per iteration (ms): 900.0 | lm loss: 1.0E+01 | mem (GiB) "
+             f"peak rss: 3.1, host states: 1.50, device states: 6.00, nvme states: {nvme_gib:.2f}"
+             for i in range(1, steps + 1)]
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_max_scale_counts_the_engines_bytes_per_tier_and_fails_with_none_on_ssd(tmp_path):
+    a = gpu_max_scale.parse_args(["--device", "cpu", "--steps", "3"])  # --offload nvme by default
+    need = {"device": 6.0, "host": 2.0, "nvme": 1.0}
+    ok = gpu_max_scale.measured(_trainer_log(tmp_path / "a.log", 1.25), 0.5, 10.0, 0, 60.0, a, need)
+    assert ok["status"] == "ok" and ok["states_gib"] == {"host": 1.5, "device": 6.0, "nvme": 1.25}
+    assert ok["fixed_s"] == pytest.approx(10.0 - 2.7)  # the run's seconds outside its steps
+    none = gpu_max_scale.measured(_trainer_log(tmp_path / "b.log", 0.0), 0.0, 10.0, 0, 60.0, a, need)
+    assert none["status"] == "failed" and "the engine reports no states there" in none["error"]
+    assert none["log_tail"][-1].endswith("nvme states: 0.00")  # its log's last lines come back
+    cut = gpu_max_scale.measured(_trainer_log(tmp_path / "c.log", 1.0, steps=1), 0.5, 60.0, None, 60.0, a, need)
+    assert cut["status"] == "incomplete" and "killed after 60 s (1 steps logged)" in cut["error"]

@@ -58,7 +58,9 @@ def test_peers_on_cpu_train_the_same_losses_and_feed_the_summary(tmp_path):
         assert len(by[key]["losses"]) == 3  # the profiled step is not one of the timed ones
     assert by["ours-trainer"]["overlap"] is None  # the trainer has no profiler hook
     assert [(x["ours"], x["peer"]) for x in res["ratios"]] == [("ours-trainer", "fsdp2")]
-    assert len(res["table"]) == 2 + 4 + 2  # header, rule, one row per system, a blank line, the ratio
+    # header, rule, one row per system, a blank line, the ratio, a blank line, the conventions (one GPU's too)
+    assert len(res["table"]) == 2 + 4 + 2 + 1 + 3 and "causal mask's skipped half counted in full" in res["table"][-3]
+    assert res["planned"]["none"]["why"] == "the planner predicts accelerator steps only"  # on a CPU
 
     summary = _report(tmp_path, "--name", "dense", "--title", "3 dense", "--rc", "0", "--seconds", "30", "--cap",
                       "140", "--result", str(out))
@@ -90,8 +92,9 @@ def test_sigterm_stops_the_running_job_and_keeps_the_record(tmp_path):
     assert proc.returncode == 124 and "stopped by SIGTERM" in err
     res = json.loads(out.read_text())
     cut, later = res["results"]
-    assert cut["status"] == "timeout" and cut["error"].startswith("stopped by SIGTERM after ")
+    assert cut["status"] == "incomplete" and cut["error"].startswith("stopped by SIGTERM after ")
     assert len(cut["losses"]) == len(cut["step_s"]) >= 1  # the steps it had done are kept
+    assert any("[fsdp2] step 1/" in ln for ln in cut["log_tail"])  # and its log's last lines
     assert later["status"] == "not run" and "stopped by SIGTERM" in later["error"]
     left = [p for p in psutil.process_iter(["cmdline"]) if str(run) in " ".join(p.info["cmdline"] or [])]
     assert not left, left  # the job's torchrun and its rank went with it
@@ -101,7 +104,7 @@ def test_max_scale_on_cpu_plans_trains_three_steps_and_reports_each_tier(tmp_pat
     out, scratch = tmp_path / "ms.json", tmp_path / "scratch"
     proc = _module("benchmarks.gpu_max_scale", "--device", "cpu", "--family", "128,4,512", "--seq", "64",
                    "--layers", "2", "--slice-host-gib", "2", "--slice-disk-gib", "1", "--no-whole-machine",
-                   "--nvme-path", str(scratch), "--budget-s", "180", "--json", str(out))
+                   "--device-rate", "0", "--nvme-path", str(scratch), "--budget-s", "180", "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["status"] == "ok" and res["scratch"]["path"] == str(scratch)
@@ -110,6 +113,7 @@ def test_max_scale_on_cpu_plans_trains_three_steps_and_reports_each_tier(tmp_pat
     run = res["run"]
     assert len(run["steps"]) == 3 and all(math.isfinite(x) for x in run["losses"]) and run["step_s"] > 0
     assert run["peak_gib"]["peak rss"] > 0 and os.path.isfile(run["log"])
+    assert run["states_gib"]["nvme"] > 0  # the engine's own report: states on the SSD tier (--offload nvme)
     assert not (scratch / "zc_pages").exists()  # the page files are removed, the folder given is kept
     summary = _report(tmp_path, "--name", "maxscale", "--title", "5 largest", "--rc", "0", "--seconds", "20",
                       "--cap", "65", "--result", str(out))

@@ -11,7 +11,7 @@ import torch
 
 from tests.zero_cache.common import batches, ds_config, make_engine, train_engine
 from zero_cache.aio import AlignedBuffer
-from zero_cache.pinned_memory import ALIGN_BYTES, HostArena
+from zero_cache.pinned_memory import ALIGN_BYTES, CudaPinning, HostArena
 from zero_cache.states import State
 from zero_cache.store import HOST
 
@@ -104,3 +104,65 @@ def test_ssd_staging_buffers_are_pinned_whatever_pin_memory_says(tmp_path, pin_m
     assert engine.streams.h2d_pool is None or engine.streams.h2d_pool.held == 0
     assert engine.store.param_pool.pinning is engine.streams
     engine.close()
+
+
+class FakeCudart:
+    """The runtime calls CudaPinning makes, with the runtime's per-thread last error: a failed call sets it, and
+    cudaGetLastError returns and clears it (a later launch check would raise what is left there)."""
+
+    class cudaError:  # noqa: N801 (the runtime's name)
+        success = 0
+
+    def __init__(self, refuse: bool):
+        self.refuse, self.last_error, self.registered = refuse, 0, []
+
+    def cudaHostRegister(self, ptr, nbytes, flags):  # noqa: N802
+        if self.refuse:
+            self.last_error = 2  # cudaErrorMemoryAllocation
+            return 2
+        self.registered.append(ptr)
+        return 0
+
+    def cudaHostUnregister(self, ptr):  # noqa: N802
+        self.registered.remove(ptr)
+        return 0
+
+    def cudaGetErrorString(self, err):  # noqa: N802
+        return "out of memory"
+
+    def cudaGetLastError(self):  # noqa: N802
+        err, self.last_error = self.last_error, 0
+        return err
+
+
+def test_a_refused_registration_leaves_no_last_error_for_the_next_launch_check(caplog):
+    refusing = FakeCudart(refuse=True)
+    pinning = CudaPinning(refusing)
+    buf = torch.zeros(256, dtype=torch.uint8)
+    assert not pinning.register(buf.data_ptr(), buf.nbytes)  # it stays pageable, copies are staged
+    assert refusing.last_error == 0  # cleared: the next kernel launch does not raise this failure as its own
+    assert "could not pin 256 bytes" in caplog.text and not pinning.is_pinned(buf)
+    accepting = FakeCudart(refuse=False)
+    pinning = CudaPinning(accepting)
+    assert pinning.register(buf.data_ptr(), buf.nbytes) and pinning.is_pinned(buf)
+    pinning.unregister(buf.data_ptr())
+    assert not accepting.registered and not pinning.is_pinned(buf)
+
+
+def test_the_runtime_takes_cuda_get_last_error_from_the_libcudart_torch_loaded(monkeypatch):
+    """torch's runtime bindings have no cudaGetLastError: it comes from the libcudart of torch's CUDA major."""
+    from zero_cache import pinned_memory
+
+    runtime, opened = FakeCudart(refuse=True), []
+
+    class Library:
+        def __init__(self, name):
+            opened.append(name)
+            self.cudaGetLastError = lambda: runtime.cudaGetLastError()  # a function: ctypes sets its restype
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: runtime)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(pinned_memory.ctypes, "CDLL", Library)
+    buf = torch.zeros(64, dtype=torch.uint8)
+    assert not CudaPinning().register(buf.data_ptr(), buf.nbytes)
+    assert opened == ["libcudart.so.13"] and runtime.last_error == 0
