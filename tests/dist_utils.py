@@ -61,8 +61,22 @@ def _worker(rank, world_size, port, backend, timeout, env, cwd, fn, args, kwargs
         atexit._run_exitfuncs()  # a forked process ends without them; the code under test relies on them
 
 
+class _PortTaken(Exception):
+    """Rank 0's store found its port taken between ``free_port`` and the bind (another test took it)."""
+
+
 def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, backend: str = "gloo", **kwargs) -> list:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank."""
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank. A port
+    taken by another test before the ranks bound it is tried again on a new one (nothing of ``fn`` ran yet)."""
+    for _ in range(3):
+        try:
+            return _run_once(fn, world_size, args, kwargs, timeout, backend)
+        except _PortTaken:
+            pass
+    raise RuntimeError("the rendezvous port was taken three times in a row by other processes")
+
+
+def _run_once(fn, world_size: int, args, kwargs, timeout: float, backend: str) -> list:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     results = ctx.Queue()
@@ -82,6 +96,8 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, backend:
                 raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(outs))} did not finish "
                                    f"within {deadline:.0f}s") from None
             if status == "error":
+                if "EADDRINUSE" in payload and "init_process_group" in payload:
+                    raise _PortTaken
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
             outs[rank] = pickle.loads(payload)
     finally:
