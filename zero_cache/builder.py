@@ -15,6 +15,11 @@ parallel group, whose gradients are scaled by 1/(data-parallel size) (Megatron-c
 tokens of the whole data-parallel group). Every shard group lies inside the engine's ``dp_group``, over which the
 global gradient norm is summed; a parameter must be held by exactly one rank of it after sharding, or be left
 out of the norm by ``param_in_grad_norm``.
+
+Hierarchical layouts (topology.py, chunk_collectives.py) apply to the groups split over the engine's own
+``dp_group``: MiCS shards them over a block of it and replicates across blocks (the gradient then divides by the
+whole data-parallel size, and only the first replica of a shard counts in the norm); hpZ, qwZ and qgZ change how
+their chunks are gathered and reduced. A caller's own shard groups (experts) stay flat, with qwZ when it is on.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .chunk import FlatChunk
+from .chunk_collectives import ChunkCollectives
 from .chunk_init import ParamInit, build_chunk
 from .comm import Comm, CommProfiler
 from .config import ZeroCacheConfig, ZeroConfigError
@@ -47,6 +53,7 @@ from .speculation import Speculation
 from .ssd_store import SSDStore
 from .store import HOST, NVME, DeviceHostStore, ShardStore
 from .streams import Streams, make_streams
+from .topology import build_topology
 from .update import UpdateStrategy, choose_update
 
 logger = logging.getLogger(__name__)
@@ -106,11 +113,15 @@ def build_engine_parts(model: nn.Module, cfg: ZeroCacheConfig, *, dp_group=None,
                          "zero_cache.storage_less_parameters(model, device) first and pass param_init")
     groups = _param_groups(managed, param_groups, cfg.optimizer.params.weight_decay, dp_group)
     dp_size = _group_size(dp_group)
+    topology = build_topology(z, dp_group)
+    # The engine's own groups are split over the layout's shard group (MiCS: a block of the data-parallel group).
+    shard_groups = [g if g is not None else topology.shard if topology.shard is not None else dp_group
+                    for g in groups.process_groups]
     tied = list(tied_param_groups or [])
     plans = plan_chunks(managed, groups.group_of, stage=z.stage, page_numel=z.allgather_bucket_size,
                         dp_size=dp_size, persistence_threshold=z.stage3_param_persistence_threshold,
                         isolated={id(p) for p, _ in tied},
-                        group_dp_sizes=[_group_size(g if g is not None else dp_group) for g in groups.process_groups])
+                        group_dp_sizes=[_group_size(g) for g in shard_groups])
     sub_groups = plan_sub_groups(plans, z.sub_group_size)
     budgets = machine_budgets(cfg, device)
     placed = place_states(plans, sub_groups, cfg, dtype, device, budgets)
@@ -128,7 +139,19 @@ def build_engine_parts(model: nn.Module, cfg: ZeroCacheConfig, *, dp_group=None,
         return comms[id(group)]
 
     comm = comm_of(dp_group)
-    group_comms = [comm_of(g) if g is not None else comm for g in groups.process_groups]
+    group_collectives = []
+    for g, own in zip(shard_groups, groups.process_groups):
+        if own is not None:  # a group of the caller's (experts): flat over it
+            group_collectives.append(ChunkCollectives(comm_of(g), quantize_weights=z.zero_quantized_weights,
+                                                      block=z.quantization_block_size))
+            continue
+        group_collectives.append(ChunkCollectives(
+            comm_of(g), replicate=comm_of(topology.replicate) if topology.replicate is not None else None,
+            node=comm_of(topology.node) if topology.node is not None else None,
+            cross=comm_of(topology.cross) if topology.cross is not None else None,
+            secondary=z.zero_hpz_partition_size > 1, quantize_weights=z.zero_quantized_weights,
+            quantize_grads=z.zero_quantized_gradients, block=z.quantization_block_size,
+            grad_bits=z.quantized_gradients_bits, two_hop=topology.node is not None and comm_of(g).p2p))
 
     pin = z.offload_param.pin_memory or z.offload_optimizer.pin_memory
     host_bytes = HostArena.reserve_for([s.nbytes for layout in placed.layouts for s in layout if s.tier == HOST])
@@ -144,9 +167,10 @@ def build_engine_parts(model: nn.Module, cfg: ZeroCacheConfig, *, dp_group=None,
     with torch.no_grad():
         chunks = []
         for p in plans:
-            c = group_comms[p.group]
+            c = group_collectives[p.group]
             factor = groups.factors[p.group]
-            chunks.append(build_chunk(p, tiers[p.index], store, c, 1.0 / c.size if factor is None else factor, cfg,
+            mean = 1.0 / (c.shard.size * c.replicas)  # the gradient sums over every replica of the shard
+            chunks.append(build_chunk(p, tiers[p.index], store, c, mean if factor is None else factor, cfg,
                                       dtype, device, param_init, p.index in placed.grad_on_ssd))
     chunk_of = {id(s.param): c.index for c in chunks for s in c.plan.slots}
 
@@ -167,7 +191,9 @@ def build_engine_parts(model: nn.Module, cfg: ZeroCacheConfig, *, dp_group=None,
     speculation = None
     if z.speculative_update and lane is not None:
         tied_chunks = {chunk_of[id(p)] for p, _ in tied}
-        eligible = [all(chunks[i].opt_tier == HOST and not chunks[i].swapped and i not in tied_chunks for i in sg)
+        # Tied and replicated shards change after the backward (summed across groups at the step): not final early.
+        eligible = [all(chunks[i].opt_tier == HOST and not chunks[i].swapped and i not in tied_chunks
+                        and chunks[i].collectives.replicate is None for i in sg)
                     for sg in sub_groups]
         speculation = Speculation(optimizer, chunks, sub_groups, eligible, store, lane)
     elif z.speculative_update:
@@ -244,10 +270,13 @@ def _param_groups(managed, param_groups, default_wd, dp_group) -> _Groups:
 
 
 def _norm_ranges(chunks: list[FlatChunk], counts: Callable[[nn.Parameter], bool] | None) -> list[NormRanges]:
-    """Per chunk: None (the whole shard counts in the grad norm) or the shard ranges that count."""
+    """Per chunk: None (the whole shard counts in the grad norm) or the shard ranges that count (none on the
+    replicas of a shard other than the first)."""
     out = []
     for c in chunks:
-        if counts is None or all(counts(s.param) for s in c.plan.slots):
+        if not c.collectives.counts_in_norm:  # another replica of this shard counts it
+            out.append([])
+        elif counts is None or all(counts(s.param) for s in c.plan.slots):
             out.append(None)
         else:
             out.append([(g.shard_lo, g.shard_hi) for g in c.segments if counts(g.slot.param)])

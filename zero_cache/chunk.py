@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import storage_pointer
-from .comm import Comm
+from .chunk_collectives import ChunkCollectives
 from .host_memory import empty_mapped
 from .partition import ChunkPlan
 from .states import State
@@ -39,11 +39,12 @@ class FlatChunk:
     grad_spare = _Slot(State.GRAD_SPARE)  # lock-free update: gradients being applied in the background
     pending = _Slot(State.PENDING)  # lock-free update: updated parameters not yet published
 
-    def __init__(self, plan: ChunkPlan, comm: Comm, full: torch.Tensor, grad_factor: float):
+    def __init__(self, plan: ChunkPlan, collectives: ChunkCollectives, full: torch.Tensor, grad_factor: float):
         self.plan = plan
-        self.comm = comm  # the shard group this chunk is split over (its gathers and reductions)
+        self.collectives = collectives  # how its gathers and reductions run (flat or hierarchical)
+        self.comm = collectives.shard  # the shard group this chunk is split over
         self.grad_factor = grad_factor  # applied to the reduced gradient sum (1/N: the mean over the group)
-        self.rank = comm.rank
+        self.rank = self.comm.rank
         self.full = full  # compute dtype, on the device; storage empty while released (non-resident)
         self.lo, self.hi = self.rank * plan.shard, (self.rank + 1) * plan.shard
         self.segments = plan.shard_segments(self.rank)

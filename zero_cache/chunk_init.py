@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from .chunk import FlatChunk
-from .comm import Comm
+from .chunk_collectives import ChunkCollectives
 from .config import ZeroCacheConfig
 from .lazy_init import has_no_storage
 from .partition import ChunkPlan
@@ -34,11 +34,11 @@ from .store import DEVICE, NVME, ShardStore
 ParamInit = Callable[[str, torch.nn.Parameter], torch.Tensor]
 
 
-def build_chunk(plan: ChunkPlan, opt_tier: str, store: ShardStore, comm: Comm, grad_factor: float,
+def build_chunk(plan: ChunkPlan, opt_tier: str, store: ShardStore, collectives: ChunkCollectives, grad_factor: float,
                 cfg: ZeroCacheConfig, dtype: torch.dtype, device: torch.device, param_init: ParamInit | None = None,
                 grad_on_ssd: bool = False) -> FlatChunk:
-    """Allocate chunk ``plan``'s states in the store and fill them; ``comm`` is its shard group."""
-    # The chunk's initial values, fp32, broadcast so that every replica in the shard group starts identical.
+    """Allocate chunk ``plan``'s states in the store and fill them; ``collectives`` span its shard group."""
+    # The chunk's initial values, fp32, broadcast so that every replica of a shard starts identical.
     init = torch.zeros(plan.padded, dtype=torch.float32, device=device)
     for s in plan.slots:
         if has_no_storage(s.param):  # built lazily (lazy_init.py): its values exist only now
@@ -50,7 +50,7 @@ def build_chunk(plan: ChunkPlan, opt_tier: str, store: ShardStore, comm: Comm, g
             value = s.param.detach()
         init[s.offset:s.offset + s.numel].copy_(value.reshape(-1))
         del value
-    comm.broadcast_from_first(init)
+    collectives.broadcast_init(init)
 
     layout = {spec.state: spec for spec in chunk_layout(plan, opt_tier, cfg, dtype, device, grad_on_ssd)}
 
@@ -65,7 +65,7 @@ def build_chunk(plan: ChunkPlan, opt_tier: str, store: ShardStore, comm: Comm, g
     else:
         full = torch.empty(plan.padded, dtype=dtype, device=device)
     full.copy_(init)
-    chunk = FlatChunk(plan, comm, full, grad_factor)
+    chunk = FlatChunk(plan, collectives, full, grad_factor)
     chunk.bind_params()
     chunk.opt_tier = opt_tier
     mine = init[chunk.lo:chunk.hi]

@@ -193,7 +193,7 @@ class _Exchange:
 
 # Point-to-point tags of the gloo collectives: a receive matches the sends of its tag in issue order, and
 # every rank issues its collectives in the same order (as any ZeRO-3 collective requires).
-_TAG_ALL_GATHER, _TAG_REDUCE_SCATTER = 0x2A01, 0x2A02
+_TAG_ALL_GATHER, _TAG_REDUCE_SCATTER, _TAG_ALL_TO_ALL = 0x2A01, 0x2A02, 0x2A03
 
 
 class _AfterLocal:
@@ -281,6 +281,31 @@ class Comm:
         collective = (partial(self._p2p_all_gather, out, shard) if self.p2p and out.device.type == "cpu"
                       else partial(all_gather_flat, out, shard, group=self.group, async_op=True))
         return self._run("all_gather", tag, out, collective, local, async_op, after)
+
+    def all_gather_packed(self, packed: torch.Tensor, mine: torch.Tensor, finish: Callable[[], None], tag: str = "",
+                          after=None) -> Handle:
+        """Async all-gather of this rank's byte buffer ``mine`` into ``packed`` (``size`` times its bytes), then
+        ``finish()`` when waited (a quantized gather dequantizes there). Profiled as an all-gather of the bytes."""
+        collective = (partial(self._p2p_all_gather, packed, mine) if self.p2p and packed.device.type == "cpu"
+                      else partial(all_gather_flat, packed, mine, group=self.group, async_op=True))
+        return self._run("all_gather", tag, packed, lambda: _Exchange([collective()], finish),
+                         lambda: (packed.copy_(mine), finish()), True, after)
+
+    def all_to_all(self, out: torch.Tensor, pieces: torch.Tensor, tag: str = "") -> None:
+        """``out[r]`` = rank r's ``pieces[self.rank]``, for 2-D ``out`` and ``pieces`` of ``size`` rows (blocking).
+        Profiled as a reduce-scatter: it is one, done in pieces (qgZ)."""
+        def local():
+            out.copy_(pieces)
+        if self.p2p and out.device.type == "cpu":
+            peers = [r for r in range(self.size) if r != self.rank]
+
+            def collective():
+                out[self.rank].copy_(pieces[self.rank])
+                return self._exchange({r: pieces[r] for r in peers}, {r: out[r] for r in peers}, _TAG_ALL_TO_ALL)
+        else:
+            def collective():
+                return dist.all_to_all_single(out, pieces, group=self.group, async_op=True)
+        self._run("reduce_scatter", tag, pieces, collective, local, async_op=False)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, tag: str = "", async_op: bool = False) -> Handle:
         def local():

@@ -17,6 +17,10 @@ chunk c's padded element count times the bytes per element. Per step, on a data-
 - broadcast: none (the initial weights are broadcast once, at start-up).
 
 With N = 1 there is no peer and nothing is communicated.
+
+This is flat ZeRO-3's step. The hierarchical layouts (docs/zero_cache/hierarchical.md) are measured against it
+on purpose: their counts and bytes per kind differ from it by design (the all-reduces of MiCS, the secondary and
+the quantized gathers, the quantized all-to-all that qgZ counts as a reduce-scatter).
 """
 from __future__ import annotations
 

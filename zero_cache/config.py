@@ -329,6 +329,41 @@ class ZeroOptimizationConfig:
     gloo_p2p_collectives: bool = field(default=True, metadata=key(
         "On the gloo backend, all-gathers and reduce-scatters of host tensors run as point-to-point exchanges "
         "without temporaries; false: gloo's own collectives."))
+    mics_shard_size: int = field(default=-1, metadata=key(
+        "Stage 3, MiCS / HSDP: shard parameters, gradients and optimizer states over groups of this many "
+        "consecutive data-parallel ranks (a node, or a few) and replicate them across the groups: gathers stay "
+        "inside a group, gradients are reduce-scattered inside it, and the step's shards are all-reduced across "
+        "groups once a step. "
+        "Must divide the data-parallel size; -1 (or the data-parallel size): one group, plain ZeRO-3.", lo=-1))
+    mics_hierarchical_params_gather: bool = field(default=False, metadata=_inert(
+        "DeepSpeed MiCS: gather a shard group that spans nodes in two hops. Here a shard group's gather is one "
+        "all-gather over the group; no effect (choose mics_shard_size = ranks per node to keep gathers inside a "
+        "node)."))
+    zero_hpz_partition_size: int = field(default=1, metadata=key(
+        "Stage 3, ZeRO++ hpZ: after a chunk's first gather in a step (over the whole data-parallel group), each "
+        "rank keeps a secondary shard, 1/this of the chunk, and later gathers of that step (the backward, other "
+        "micro-batches) all-gather the secondary shards over groups of this many consecutive data-parallel "
+        "ranks (the ranks of a node). Costs padded/size elements per partitioned chunk in the compute dtype. "
+        "Must divide the data-parallel size; 1: off.", lo=1))
+    zero_quantized_weights: bool = field(default=False, metadata=key(
+        "Stage 3, ZeRO++ qwZ: parameter all-gathers send int8 blocks with one fp32 scale per "
+        "quantization_block_size elements and dequantize them on arrival (every rank computes with the same "
+        "dequantized weights; the fp32 masters are untouched). Secondary-shard gathers (hpZ) and resident "
+        "chunks stay exact."))
+    zero_quantized_gradients: bool = field(default=False, metadata=key(
+        "Stage 3, ZeRO++ qgZ: gradients are reduce-scattered inside each node in full precision, then across "
+        "nodes as int8 blocks (an all-to-all, summed in fp32 on arrival). The node is zero_hpz_partition_size "
+        "ranks when that is above 1, else the data-parallel ranks torchrun started on this host "
+        "(LOCAL_WORLD_SIZE). Not with mics_shard_size."))
+    quantized_gradients_bits: int = field(default=4, metadata=key(
+        "Bits per gradient element in zero_quantized_gradients' cross-node exchange: 4 (ZeRO++'s choice, a quarter "
+        "of bf16's bytes) or 8.", choices=(4, 8)))
+    zero_quantized_nontrainable_weights: bool = field(default=False, metadata=_inert(
+        "DeepSpeed ZeRO++: keep frozen weights quantized. Here only trainable parameters are managed; no "
+        "effect."))
+    quantization_block_size: int = field(default=256, metadata=key(
+        "Elements per quantization block of zero_quantized_weights and zero_quantized_gradients (one fp32 scale "
+        "each).", lo=16))
     save_large_model_slice_size: int = field(default=16_777_216, metadata=key(
         "Elements of each state per checkpoint slice file with save_large_model_multi_slice (fp32: 4 bytes each); "
         "bounds the host memory of saving and loading.", lo=1024))
@@ -543,6 +578,26 @@ def _speculation_needs_unit_scale(cfg: ZeroCacheConfig) -> None:
                               "a redo would not be exact: disable one of them")
 
 
+def _hierarchy_needs_stage3(cfg: ZeroCacheConfig) -> None:
+    """``zero_optimization.mics_shard_size``, ``zero_hpz_partition_size``, ``zero_quantized_weights`` and
+    ``zero_quantized_gradients`` need stage 3; ``mics_shard_size`` excludes ``zero_hpz_partition_size`` and
+    ``zero_quantized_gradients`` (a shard group inside a node already keeps gathers there, and its gradients
+    cross nodes as an all-reduce of shards)."""
+    z = cfg.zero_optimization
+    named = [k for k, on in (("mics_shard_size", z.mics_shard_size > 0), ("zero_hpz_partition_size",
+             z.zero_hpz_partition_size > 1), ("zero_quantized_weights", z.zero_quantized_weights),
+             ("zero_quantized_gradients", z.zero_quantized_gradients)) if on]
+    if named and z.stage != 3:
+        raise ZeroConfigError(f"zero_cache config: 'zero_optimization.{named[0]}' needs stage 3 (it changes how "
+                              f"partitioned parameters are gathered and reduced), got stage {z.stage}; set stage 3 "
+                              f"or remove it")
+    if z.mics_shard_size > 0 and (z.zero_hpz_partition_size > 1 or z.zero_quantized_gradients):
+        other = "zero_hpz_partition_size" if z.zero_hpz_partition_size > 1 else "zero_quantized_gradients"
+        raise ZeroConfigError(f"zero_cache config: 'zero_optimization.mics_shard_size' and "
+                              f"'zero_optimization.{other}' exclude each other; use shard groups (MiCS/HSDP) or "
+                              f"ZeRO++'s secondary shards and quantized gradients, not both")
+
+
 def _betas_below_one(cfg: ZeroCacheConfig) -> None:
     """Both ``optimizer.params.betas`` are in [0, 1)."""
     b1, b2 = cfg.optimizer.params.betas
@@ -552,7 +607,7 @@ def _betas_below_one(cfg: ZeroCacheConfig) -> None:
 
 # Cross-key rules, checked in this order on every parsed or built config; each docstring is its documentation.
 _RULES = (_one_precision, _param_offload_needs_stage3, _fp32_master_follows_optimizer, _one_nvme_path,
-          _lock_free_needs_offload, _speculation_needs_unit_scale, _betas_below_one)
+          _lock_free_needs_offload, _speculation_needs_unit_scale, _hierarchy_needs_stage3, _betas_below_one)
 
 
 def _validate(cfg: ZeroCacheConfig) -> None:

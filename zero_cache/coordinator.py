@@ -41,6 +41,13 @@ the chunk's full buffer is pointed at the shard's own memory while it is "gather
 no arena region), with the same lifecycle events as a gather. A shard in host memory behind an accelerator is
 copied into the full buffer (the all-gather of that piece then does nothing), and one on SSD is read and copied.
 
+Secondary shards (hpZ, ``zero_hpz_partition_size``): when a chunk's gather over the whole group completes, this rank
+keeps its node's share of it; the chunk's later gathers in the step all-gather those shares over the node only
+(``ChunkCollectives.gather_secondary``). They are dropped with the gathered copies when the parameters change. A
+gather serves as the source only once it is waited for, and the next gather of a chunk is issued only after that, so
+every rank of the node takes the same path. Quantized gathers (qwZ) apply to shards in compute memory; a shard
+copied from host memory or SSD behind an accelerator is gathered exactly.
+
 Arena (``max_contigous_params_size`` > 0): gathered chunks are regions of one preallocated buffer
 (``param_arena.py``), and they stay there after use as a cache, valid until the parameters change (the end of
 the step). A gather that does not fit evicts idle chunks by the trace, the one requested furthest in the future
@@ -111,6 +118,10 @@ class ParamCoordinator(ChunkListener):
         # source_free, its staging bytes)
         self.keep_limit, self.kept_bytes = keep_param_bytes, 0
         self.params_on_ssd = any(c.on_ssd(State.PARAM) for c in chunks)
+        # hpZ: chunk -> this rank's secondary shard (valid until the parameters change), and the gathers in
+        # flight over the whole group whose result it is taken from.
+        self.secondary: dict[int, torch.Tensor] = {}  # counted in gathered_bytes while kept
+        self._primary: set[int] = set()
         # A shard group of one rank has nothing to gather: a chunk whose shard is in compute memory (the device,
         # the compute dtype) is "gathered" by pointing its full buffer at the shard (``FlatChunk.alias_full``).
         self.in_place = [c.comm.size == 1 and not c.plan.resident and not self.host_param[c.index]
@@ -226,7 +237,7 @@ class ParamCoordinator(ChunkListener):
         """Start reading chunk ``c``'s parameter shard from SSD. Read-ahead is skipped (False) when the
         staging reserve is full; a read the gather needs now first waits for the gathers in flight, whose
         staging buffers are then released."""
-        if not self.chunks[c].on_ssd(State.PARAM) or c in self.ssd_reads or c in self.kept:
+        if not self.chunks[c].on_ssd(State.PARAM) or c in self.ssd_reads or c in self.kept or c in self.secondary:
             return True
         if optional and not self.events.may_gather(c):
             return False
@@ -251,6 +262,8 @@ class ParamCoordinator(ChunkListener):
         # after the step, before any other collective of the group, so every rank issues the same sequence.
         if at is not None and not self.events.may_gather(c):
             return False
+        if c in self.secondary:
+            return self._issue_secondary(c, at)
         if self.in_place[c]:
             self.events.before_gather(c)
             chunk.alias_full(chunk.param_shard)
@@ -286,11 +299,30 @@ class ParamCoordinator(ChunkListener):
             # Issued through the streams as the copied chunks are (one order on every rank), after the compute
             # stream: the shard was written, and the buffer may have been used, by kernels queued before.
             after = self.streams.compute_event() if self.streams.separate else None
-            self.inflight[c] = chunk.comm.all_gather(chunk.full, src, tag=f"chunk{c}", async_op=True, after=after)
+            self.inflight[c] = chunk.collectives.gather(chunk.full, src, tag=f"chunk{c}", after=after)
+        if chunk.collectives.secondary:
+            self._primary.add(c)
+        self._count_gathered(chunk)
+        return True
+
+    def _issue_secondary(self, c: int, at: int | None) -> bool:
+        """hpZ: gather chunk ``c`` from the secondary shards its node's ranks kept this step."""
+        chunk = self.chunks[c]
+        if self.arena is None:
+            chunk.allocate_full()
+        elif not self._make_room(c, at):
+            return False
+        self.events.before_gather(c)
+        after = self.streams.compute_event() if self.streams.separate else None
+        self.inflight[c] = chunk.collectives.gather_secondary(chunk.full, self.secondary[c], tag=f"chunk{c}",
+                                                              after=after)
+        self._count_gathered(chunk)
+        return True
+
+    def _count_gathered(self, chunk: FlatChunk) -> None:
         self.live_numel += chunk.plan.padded
         self.gathered_bytes += chunk.full_nbytes()
         self.gathered_peak = max(self.gathered_peak, self.gathered_bytes)
-        return True
 
     def _release_after(self, buf: torch.Tensor, event) -> None:
         """Give an SSD staging buffer back once ``event`` (its copy no longer reads it) is done."""
@@ -360,6 +392,12 @@ class ParamCoordinator(ChunkListener):
         if h is not None:
             h.wait()
             self.chunks[c].gathered = True
+            if c in self._primary:  # hpZ: keep this rank's secondary shard for the step's later gathers
+                self._primary.discard(c)
+                lo, hi = self.chunks[c].collectives.secondary_range(self.chunks[c].plan.padded)
+                self.secondary[c] = self.chunks[c].full[lo:hi].clone()
+                self.gathered_bytes += self.secondary[c].nbytes
+                self.gathered_peak = max(self.gathered_peak, self.gathered_bytes)
         if c in self.staged:
             buf = self.staged.pop(c)
             if not self._keep(c, buf, None):
@@ -434,6 +472,8 @@ class ParamCoordinator(ChunkListener):
             else:
                 self._release_after(buf, source_free)
         self._poll_releases(wait=True)
+        self.gathered_bytes -= sum(t.nbytes for t in self.secondary.values())
+        self.secondary.clear()  # hpZ: the next gathers run over the whole group again
         self.users = [0] * len(self.chunks)
         self.pinned.clear()
         for c, chunk in enumerate(self.chunks):

@@ -18,6 +18,11 @@ the parameter as done. Two accumulation modes (docs/zero_cache/design.md):
 - ``full`` (stage 1): gradients are summed over micro-batches into full-size fp32 buffers and reduced
   once per step. Memory: 4 B/param unsharded; communication: one reduce-scatter per chunk per step.
 
+A chunk's reduction is its ``ChunkCollectives.reduce_scatter``: one reduce-scatter over the shard group, or two
+hops (inside the node, then across hosts, exact or quantized: qgZ); the handle covers both. Shards held by several
+ranks (MiCS/HSDP replicas) accumulate the step's micro-batches first; ``end_step`` then all-reduces each across
+its replicas once, in chunk order, before the tied groups' sums.
+
 A shard group of one rank (a single process; the experts' group when EP equals DP) reduces nothing. In either
 mode, a chunk whose fp32 gradient shard sits in the buffers' memory uses that shard as its buffer: the writers and
 hooks put the step's first gradients over what it held and add the later ones, and the group's factor multiplies
@@ -128,6 +133,8 @@ class GradReducer:
         self.in_place = [c.comm.size == 1 and not self.to_host[i] and not self.on_ssd[i]
                          and c.grad.dtype == c.full.dtype and c.grad.device == c.full.device
                          for i, c in enumerate(chunks)]
+        # MiCS / HSDP: shards held by several ranks, whose step's sum is all-reduced across them once, at the step.
+        self.replicated = [c.index for c in chunks if c.collectives.replicate is not None]
         self.unscaled: set[int] = set()  # in-place shards holding this step's sum, not yet multiplied
         self.scaled: set[int] = set()  # ... multiplied in the step's final pass
         self.final_pass = False  # the engine expects the running backward pass to be the step's last
@@ -303,7 +310,7 @@ class GradReducer:
                 out, self.fresh[c] = chunk.grad, False
             else:
                 out = self._result_buffer(c, buf.dtype, buf.device)
-            handle = chunk.comm.reduce_scatter(out, buf, tag=f"chunk{c}", async_op=True)
+            handle = chunk.collectives.reduce_scatter(out, buf, tag=f"chunk{c}")
         self.pending.append((c, handle, out, buf, direct, scale))
         while len(self.pending) > self.max_events:
             self._finish()
@@ -426,7 +433,7 @@ class GradReducer:
                 buf = self.buffers[c]
                 out = self._result_buffer(c, torch.float32, buf.device)
                 chunk = self.chunks[c]
-                chunk.comm.reduce_scatter(out, buf, tag=f"chunk{c}")
+                chunk.collectives.reduce_scatter(out, buf, tag=f"chunk{c}").wait()
                 if self.to_host[c]:
                     self._send_to_host(c, out, chunk.grad_factor, False)
                 else:
@@ -446,7 +453,9 @@ class GradReducer:
                 self.chunks[c].grad.zero_()
                 self.fresh[c] = False
         self._drain_ssd_writes()
-        for c, group in self.tied_groups.items():
+        # MiCS / HSDP first: a tied chunk's shard is summed over its replicas before the tied groups sum it.
+        replicas = [(c, self.chunks[c].collectives.replicate.group) for c in self.replicated]
+        for c, group in replicas + list(self.tied_groups.items()):
             self.stats[c] = None
             if not self.on_ssd[c]:
                 group_all_reduce(self.chunks[c].grad, group, device=self.chunks[c].full.device)
@@ -455,7 +464,7 @@ class GradReducer:
             (grad,) = self.store.swap_in([key]).wait()
             group_all_reduce(grad, group, device=self.chunks[c].full.device)
             self._write_ssd_grad(c, grad)
-        self._drain_ssd_writes()
+            self._drain_ssd_writes()  # a tied chunk that is also replicated is read back next
 
     def norm_stats_parts(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """norm_stats of all of this rank's gradient shards, summed where they were taken: (the host's part, a

@@ -186,6 +186,7 @@ def test_inert_keys_are_the_deepspeed_keys_without_a_mechanism_here():
         "zero_optimization.offload_param.max_in_cpu", "zero_optimization.offload_optimizer.buffer_count",
         "zero_optimization.offload_optimizer.pipeline_read", "zero_optimization.offload_optimizer.pipeline_write",
         "zero_optimization.offload_optimizer.fast_init", "zero_optimization.offload_optimizer.ratio",
+        "zero_optimization.mics_hierarchical_params_gather", "zero_optimization.zero_quantized_nontrainable_weights",
         "aio.single_submit", "aio.overlap_events", "aio.use_gds"]
 
 

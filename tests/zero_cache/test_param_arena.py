@@ -21,6 +21,7 @@ from tests.zero_cache.common import (
     train_engine,
 )
 from zero_cache.chunk import FlatChunk
+from zero_cache.chunk_collectives import ChunkCollectives
 from zero_cache.comm import Comm, CommProfiler
 from zero_cache.param_arena import ParamArena, region_numel
 from zero_cache.partition import ChunkPlan
@@ -31,7 +32,7 @@ DP, STEPS = 2, 4
 def _chunk(index: int, numel: int) -> tuple[FlatChunk, torch.Tensor]:
     """A released chunk and a view of it taken while it was allocated (as parameters and saved tensors are)."""
     plan = ChunkPlan(index, 0, False, numel=numel, padded=numel, shard=numel)
-    chunk = FlatChunk(plan, Comm(None, CommProfiler(False)), torch.empty(numel), 1.0)
+    chunk = FlatChunk(plan, ChunkCollectives(Comm(None, CommProfiler(False))), torch.empty(numel), 1.0)
     view = chunk.full[10:20]
     chunk.free_full()
     return chunk, view
