@@ -30,8 +30,8 @@ after every job, so a run cut short keeps what it measured; SIGTERM ends the run
 
 MFU counts the model's FLOPs per token as Megatron does: 6 x the matmul parameters plus 12 x layers x seq x
 hidden for attention, the causal mask's skipped half counted in full. Each row's "planner predicted / measured"
-is the memory planner's step time (ptm_planner/step_time.py) for our engine on this model and offload, at the
-measured matmul peak, over the row's median step.
+is the planner's predicted step (ptm_planner/step_model.py) for our engine on this model and offload, with the
+measured matmul peak as the large-GEMM rate, over the row's median step.
 """
 from __future__ import annotations
 
@@ -280,9 +280,9 @@ def run_trainer(system: System, spec: BenchSpec, a: argparse.Namespace, out_dir:
 
 
 def planned_step(spec: BenchSpec, a: argparse.Namespace, offload: bool) -> dict:
-    """The memory planner's step time (ptm_planner/step_time.py) for our engine in the configuration the job runs
-    (the spec's model, batches, page and sub-groups; host offload of every state, or none) at the measured matmul
-    peak: {"step_s", "breakdown", "why"}; step_s None (and why) where it predicts none."""
+    """The planner's predicted step (ptm_planner/step_model.py) for our engine in the configuration the job runs
+    (the spec's model, batches, page and sub-groups; host offload of every state, or none) with the measured matmul
+    rate as the large-GEMM rate: {"step_s", "breakdown", "why"}; step_s None (and why) where it predicts none."""
     from ptm_planner.cli import request_from_args
     from ptm_planner.plan import Option, Planner
 
@@ -302,12 +302,12 @@ def planned_step(spec: BenchSpec, a: argparse.Namespace, offload: bool) -> dict:
         # The job's own configuration (BenchSpec.ds_config): no sub-group kept on the device under offload.
         option = Option("cpu" if offload else "none", spec.page_size, spec.micro_batch, spec.recompute,
                         spec.sub_group_size, rate=0.0)
-        step = planner.breakdown(planner.evaluate(option))
+        step = planner.predict(planner.evaluate(option))
     except Exception as e:  # the prediction is a column of the table, never the reason a run fails
         return {"step_s": None, "breakdown": None, "why": f"planner: {type(e).__name__}: {e}".splitlines()[0][:200]}
     if step is None:
         return {"step_s": None, "breakdown": None, "why": "the planner predicts accelerator steps only"}
-    why = "" if a.peak_tflops else "at the planner's stated 400 TFLOP/s (no measured peak)"
+    why = "" if a.peak_tflops else "at the h100 profile's GEMM rate (no measured peak)"
     return {"step_s": step.step_s, "breakdown": step.lines(), "why": why}
 
 

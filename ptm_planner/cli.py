@@ -8,6 +8,8 @@
         --sequence-parallel --context-parallel-size 4 --attention-dropout 0 --longest-seq --write-args args.txt
     python -m ptm_planner --size 125m --device cpu      # as examples/start.sh runs it
     ptm-plan --list-sizes                                # the sizes, their shapes and parameter counts
+    ptm-plan --size 55 --profile a100-40g-hdr --bf16 --explain   # hardware from a named profile; why this config
+    ptm-plan --list-profiles                             # the named GPU clusters (ptm_planner/profiles.py)
 
 The command line, hardware detection and reports; how the plan is made is ptm_planner.plan. Exit
 status: 0 fits, 3 does not fit (the message names the largest model of the family and of the start.sh
@@ -45,14 +47,18 @@ from ptm_planner.plan import (
     format_bytes,
     with_seq,
 )
+from ptm_planner.profiles import PROFILES, ClusterProfile, get_profile
+from ptm_planner.profiles import table as profiles_table
 from ptm_planner.sizes import DEFAULT_SEQ_LENGTH, SIZES, format_parameters, get_size
 from ptm_planner.sizes import table as sizes_table
 from ptm_planner.stages import Mesh, StageModel
+from ptm_planner.step_model import StepPrediction
 from ptm_planner.step_time import Speeds, measure_host_adam
 from zero_cache.aio import nearest_existing_dir
 from zero_cache.store import DEVICE, HOST, NVME, TIERS
 
 EXIT_FITS, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 2, 3
+DEFAULT_PROFILE = "h100"  # a --device cuda plan's speeds given no --profile and no known GPU here (said in the plan)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,12 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a size of examples/start.sh (model flags given as well override it); --list-sizes shows "
                         "their shapes and parameter counts")
     p.add_argument("--list-sizes", action="store_true", help="print the sizes table and exit")
+    p.add_argument("--list-profiles", action="store_true", help="print the named hardware profiles and exit")
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
                    help="tokenizer vocabulary (unpadded; padded like the trainer)")
     add_model_args(p)  # Megatron's own model flags (--num-layers ... --swiglu --bf16 ...)
     add_moe_args(p)  # the trainer's mixture-of-experts flags (--num-experts --moe-router-topk ...)
     g = p.add_argument_group("mesh")
-    g.add_argument("--nproc-per-node", type=int, default=None, help="default: the GPUs here, else 2 (as start.sh)")
+    g.add_argument("--nproc-per-node", type=int, default=None,
+                   help="default: the profile's GPUs per node, else the GPUs here, else 2 (as start.sh)")
     g.add_argument("--nnodes", type=int, default=1)
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -78,23 +86,28 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute-activations", action="store_true",
                    help="force full activation recompute (else recommended only when needed)")
     add_long_context_args(p, g)
-    g = p.add_argument_group("hardware (detected when omitted)")
+    g = p.add_argument_group("hardware (a flag, else --profile, else detected on this machine when it is the "
+                             "machine planned for)")
+    g.add_argument("--profile", choices=list(PROFILES), default=None,
+                   help="a named GPU cluster (--list-profiles): every hardware and speed figure not given as a flag "
+                        "comes from it, none from this machine")
     g.add_argument("--device", choices=["cpu", "cuda"], default=None)
     g.add_argument("--device-memory-gib", type=finite, default=None, help="accelerator memory per device")
     g.add_argument("--host-memory-gib", type=finite, default=None, help="host memory per node (default: available)")
     g.add_argument("--nvme-path", default=os.path.join(tempfile.gettempdir(), "zero_cache_nvme"))
     g.add_argument("--nvme-free-gib", type=finite, default=None, help="free disk under --nvme-path")
     g.add_argument("--cpus", type=int, default=None, help="CPU cores per node (SSD I/O threads)")
-    d = Speeds()
-    g = p.add_argument_group("step prediction and prefetch_cache_sub_group_rate (--device cuda; stated figures, or "
-                             "measured where asked)")
+    g = p.add_argument_group("step prediction and choice by speed (--device cuda; from --profile, default "
+                             f"{DEFAULT_PROFILE}, each overridden by its flag)")
     g.add_argument("--gradient-accumulation-steps", type=int, default=1, help="micro-batches per step")
-    g.add_argument("--device-tflops", type=finite, default=d.device_tflops, help="sustained model TFLOP/s per GPU")
-    g.add_argument("--pcie-gbps", type=finite, default=d.pcie_gbps, help="host <-> GPU GB/s, each direction")
-    g.add_argument("--device-adam-elems-per-s", type=finite, default=d.device_adam_elems_per_s)
-    g.add_argument("--host-adam-elems-per-s", default=str(d.host_adam_elems_per_s),
+    g.add_argument("--device-tflops", type=finite, default=None, help="dense bf16 peak TFLOP/s per GPU")
+    g.add_argument("--pcie-gbps", type=finite, default=None, help="host <-> GPU GB/s, each direction")
+    g.add_argument("--device-adam-elems-per-s", type=finite, default=None)
+    g.add_argument("--host-adam-elems-per-s", default=None,
                    help="fused Adam elements/s of one process's host cores, or 'measure' (here, 1 thread per process)")
-    g.add_argument("--ssd-gbps", type=finite, default=d.ssd_gbps, help="SSD GB/s per process, reads and writes")
+    g.add_argument("--ssd-gbps", type=finite, default=None, help="SSD GB/s per process, reads and writes")
+    g.add_argument("--explain", action="store_true",
+                   help="print the chosen configuration's predicted step part by part, and the runners-up")
     g = p.add_argument_group("output")
     g.add_argument("--offload", choices=["auto", *OFFLOADS], default="auto",
                    help="restrict the plan to one offload mode (default: the fastest that fits)")
@@ -197,45 +210,78 @@ def check_seq_split(seq_length: int, mesh: Mesh, layout: ActivationLayout) -> No
 
 
 def detect_hardware(args: argparse.Namespace) -> Hardware:
-    detected = []
+    """The hardware planned for: each figure from its flag, else from --profile, else from this machine when it is
+    the machine planned for (no profile, and its device is the one asked for). ``args.hardware_sources`` says which,
+    for the report."""
+    profile = get_profile(args.profile) if args.profile else None
     cuda_here = torch.cuda.is_available()
-    device = args.device or ("cuda" if cuda_here else "cpu")
-    if args.device is None:
-        detected.append("device")
+    sources: dict[str, str] = {}
+    from_profile = f"profile {args.profile}"
+    device = args.device or ("cuda" if profile is not None or cuda_here else "cpu")
+    sources["device"] = "flag" if args.device else from_profile if profile is not None else "this machine"
+    if device == "cpu" and profile is not None:
+        raise ValueError(f"--profile {args.profile} is a GPU cluster; drop --device cpu (or --profile)")
+    here = profile is None and (device == "cpu" or cuda_here)  # this machine is the one planned for
+    detected = ["device"] if args.device is None and profile is None else []
     if device == "cpu":
         if args.device_memory_gib is not None:
             raise ValueError("--device-memory-gib is for --device cuda; on cpu the device tier is host memory "
                              "(give --host-memory-gib)")
         device_memory = 0
     elif args.device_memory_gib is not None:
-        device_memory = int(args.device_memory_gib * GiB)
+        device_memory, sources["device_memory"] = int(args.device_memory_gib * GiB), "flag"
+    elif profile is not None:
+        device_memory, sources["device_memory"] = int(profile.accelerator.memory_gib * GiB), from_profile
     elif cuda_here:
-        device_memory = torch.cuda.get_device_properties(0).total_memory
+        device_memory, sources["device_memory"] = torch.cuda.get_device_properties(0).total_memory, "this machine"
         detected.append("device_memory")
     else:
-        raise ValueError("--device cuda on a machine without CUDA: give --device-memory-gib (memory per GPU)")
-    if args.host_memory_gib is not None:
-        host = int(args.host_memory_gib * GiB)
-    else:
-        host = psutil.virtual_memory().available
-        detected.append("host_memory")
-    if args.nvme_free_gib is not None:
-        nvme = int(args.nvme_free_gib * GiB)
-    else:
-        nvme = psutil.disk_usage(nearest_existing_dir(args.nvme_path)).free
-        detected.append("nvme_free")
+        raise ValueError("--device cuda on a machine without CUDA: give --profile NAME (--list-profiles) or "
+                         "--device-memory-gib (memory per GPU)")
+    missing = []
+
+    def figure(name: str, flag: str, given, from_prof, local):
+        if given is not None:
+            sources[name] = "flag"
+            return given
+        if profile is not None:
+            sources[name] = from_profile
+            return from_prof
+        if here:
+            sources[name] = "this machine"
+            detected.append(name)
+            return local()
+        missing.append(flag)
+        return 0
+
+    host = figure("host_memory", "--host-memory-gib",
+                  None if args.host_memory_gib is None else int(args.host_memory_gib * GiB),
+                  int(profile.host_memory_gib * GiB) if profile else 0, lambda: psutil.virtual_memory().available)
+    nvme = figure("nvme_free", "--nvme-free-gib", None if args.nvme_free_gib is None else int(args.nvme_free_gib * GiB),
+                  int(profile.nvme_free_gib * GiB) if profile else 0,
+                  lambda: psutil.disk_usage(nearest_existing_dir(args.nvme_path)).free)
+    if missing:
+        raise ValueError(f"a plan for GPUs this machine does not have takes none of its figures from this machine: "
+                         f"give --profile NAME (--list-profiles) or {' and '.join(missing)}")
     existing = args.nvme_path  # the path itself, else the ancestor it would be created under
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         where = "" if existing == args.nvme_path else f" ({existing}, where it would be created)"
         raise ValueError(f"--nvme-path {args.nvme_path}{where} is a file; give a directory (created if missing)")
-    cpus = args.cpus or os.cpu_count() or 1
+    if args.cpus is not None:
+        cpus, sources["cpus"] = args.cpus, "flag"
+    elif profile is not None:
+        cpus, sources["cpus"] = profile.cpus, from_profile
+    else:  # only the SSD tier's I/O threads follow it; said in the report
+        cpus = os.cpu_count() or 1
+        sources["cpus"] = "this machine" if here else "this machine's (give --cpus or --profile)"
     for name, value in (("--host-memory-gib", host), ("--nvme-free-gib", nvme)):
         if value < 0:
             raise ValueError(f"{name} must be >= 0")
     if device == "cuda" and device_memory <= 0:
         raise ValueError("--device-memory-gib must be > 0")
+    args.hardware_sources = sources
     return Hardware(device, device_memory, host, args.nvme_path, nvme, cpus, tuple(detected))
 
 
@@ -285,8 +331,9 @@ def request_from_args(argv: list[str]) -> tuple[Request, argparse.Namespace]:
     args.seed = 1234  # initialisation only; no effect on memory
     hardware = detect_hardware(args)
     if args.nproc_per_node is None:
-        args.nproc_per_node = (torch.cuda.device_count() or 1) if hardware.device == "cuda" and \
-            torch.cuda.is_available() else (1 if hardware.device == "cuda" else 2)
+        args.nproc_per_node = get_profile(args.profile).gpus_per_node if args.profile else \
+            (torch.cuda.device_count() or 1) if hardware.device == "cuda" and torch.cuda.is_available() else \
+            (1 if hardware.device == "cuda" else 2)
     mesh = Mesh(args.nproc_per_node, args.nnodes, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                 args.expert_model_parallel_size, args.context_parallel_size)
     try:
@@ -309,32 +356,68 @@ def request_from_args(argv: list[str]) -> tuple[Request, argparse.Namespace]:
     if not args.longest_seq:  # else the search picks the length
         check_seq_split(model.seq_length, mesh, layout)
     offloads = OFFLOADS if args.offload == "auto" else (args.offload,)
+    if args.gradient_accumulation_steps <= 0:
+        raise ValueError(f"--gradient-accumulation-steps must be > 0 (got {args.gradient_accumulation_steps})")
+    profile, speeds = cluster_from_args(args, hardware) or (None, None)
     return Request(model, mesh, hardware, args.micro_batch_size, offloads, args.make_vocab_size_divisible_by,
-                   known.size, speeds_from_args(args, hardware), args.gradient_accumulation_steps, layout), args
+                   known.size, speeds, args.gradient_accumulation_steps, layout, profile), args
 
 
-def speeds_from_args(args: argparse.Namespace, hardware: Hardware) -> Speeds | None:
-    """The speeds of the step prediction (None on a CPU machine: no separate device to balance against)."""
+def local_gpu_profile() -> str | None:
+    """The profile of the GPU this machine has (None: no CUDA here, or a GPU no profile describes)."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(0)
+    for key, profile in (("H200", "h200"), ("H100", "h100")):
+        if key in name:
+            return profile
+    if "A100" in name:
+        return "a100-80g-hdr" if torch.cuda.get_device_properties(0).total_memory > 50 * GiB else "a100-40g-hdr"
+    return None
+
+
+def cluster_from_args(args: argparse.Namespace, hardware: Hardware) -> tuple[ClusterProfile, Speeds] | None:
+    """The step model's cluster and the offload lanes' speeds (None on a CPU machine): --profile (default
+    DEFAULT_PROFILE, said in the plan), each figure overridden by its flag. --device-tflops is the large-GEMM
+    rate (the profile's peak x its GEMM share)."""
     if hardware.device != "cuda":
         return None
+    name = args.profile or local_gpu_profile() or DEFAULT_PROFILE
+    profile = get_profile(name)
+    sources = args.hardware_sources
     measured = []
     if args.host_adam_elems_per_s == "measure":
         host = measure_host_adam()
         measured.append("host_adam_elems_per_s")
+    elif args.host_adam_elems_per_s is None:
+        host = profile.host_adam_elems_per_s
     else:
         try:
             host = float(args.host_adam_elems_per_s)
         except ValueError:
             raise ValueError(f"--host-adam-elems-per-s takes a number or 'measure', got "
                              f"{args.host_adam_elems_per_s!r}") from None
-    values = {"device_tflops": args.device_tflops, "pcie_gbps": args.pcie_gbps,
-              "device_adam_elems_per_s": args.device_adam_elems_per_s, "host_adam_elems_per_s": host,
-              "ssd_gbps": args.ssd_gbps, "gradient_accumulation_steps": args.gradient_accumulation_steps}
-    for name, value in values.items():
-        if value <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0 (got {value})")
-    values.pop("gradient_accumulation_steps")
-    return Speeds(**values, measured=tuple(measured))
+    acc = profile.accelerator
+    given = {"device_tflops": args.device_tflops, "pcie_gbps": args.pcie_gbps,
+             "device_adam_elems_per_s": args.device_adam_elems_per_s, "ssd_gbps": args.ssd_gbps,
+             "gradient_accumulation_steps": args.gradient_accumulation_steps,
+             "host_adam_elems_per_s": host if args.host_adam_elems_per_s is not None else None}
+    for flag, value in given.items():
+        if value is not None and value <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0 (got {value})")
+    origin = f"profile {name}" if args.profile else f"profile {name}, matched to this machine's GPU (give --profile)" \
+        if name == local_gpu_profile() else f"default profile {name} (give --profile)"
+    for key in ("device_tflops", "pcie_gbps", "device_adam_elems_per_s", "ssd_gbps", "host_adam_elems_per_s"):
+        sources[key] = "measured here" if key in measured else "flag" if given[key] is not None else origin
+    if args.device_tflops is not None:
+        acc = dataclasses.replace(acc, gemm_efficiency=args.device_tflops / acc.peak_tflops)
+    profile = dataclasses.replace(profile, accelerator=acc, pcie_gbps=args.pcie_gbps or profile.pcie_gbps,
+                                  host_adam_elems_per_s=host)
+    speeds = Speeds(device_tflops=acc.peak_tflops * acc.gemm_efficiency, pcie_gbps=profile.pcie_gbps,
+                    device_adam_elems_per_s=args.device_adam_elems_per_s or profile.device_adam_elems_per_s,
+                    host_adam_elems_per_s=host,
+                    ssd_gbps=args.ssd_gbps or profile.nvme_gbps / profile.gpus_per_node, measured=tuple(measured))
+    return profile, speeds
 
 
 def long_context_args(r: Request, full_recompute: bool) -> list[str]:
@@ -496,11 +579,65 @@ def to_json(p: Plan, sources: dict[str, str]) -> dict:
         "layout": dataclasses.asdict(r.layout),
         "needs": p.needs,
         "speeds": dataclasses.asdict(r.speeds) if r.speeds is not None else None,
-        "step_prediction": None if p.step is None else {
-            **dataclasses.asdict(p.step), "forward_backward_s": p.step.forward_backward_s,
-            "host_lane_s": p.step.host_lane_s, "optimizer_s": p.step.optimizer_s, "step_s": p.step.step_s},
+        "profile": r.profile.name if r.profile is not None else None,
+        "hardware_sources": sources.get("hardware", {}),
+        "step_prediction": None if p.step is None else prediction_json(p.step),
+        "runners_up": [{"option": dataclasses.asdict(ev.option), "step_prediction": prediction_json(pred)}
+                       for pred, ev in p.runners_up],
         "message": summary(p),
     }
+
+
+def prediction_json(pred: StepPrediction) -> dict:
+    """A predicted step: its totals and every part in seconds (the offload lanes too, where states are away)."""
+    off = pred.offload
+    return {"step_s": pred.step_s, "tokens_per_s": pred.tokens_per_s, "tflops_per_gpu": pred.tflops_per_gpu,
+            "mfu": pred.mfu, "expected_error": pred.expected_error, "micro_batches": pred.micro_batches,
+            "bubble_micro_batches": pred.bubble_micro_batches, "micro_batch_s": pred.micro_batch_s,
+            "micro_batch": {t.name: t.seconds for t in pred.micro_batch},
+            "step": {t.name: t.seconds for t in pred.step},
+            "offload": None if off is None else {
+                **dataclasses.asdict(off), "forward_backward_s": off.forward_backward_s, "host_lane_s": off.host_lane_s,
+                "optimizer_s": off.optimizer_s}}
+
+
+def option_text(r: Request, o) -> str:
+    return (f"offload={o.offload}, layout {o.layout}, micro-batch {o.micro_batch_size}, recompute "
+            f"{recompute_text(r, o.recompute)}, keep gathered {'yes' if o.keep_gathered else 'no'}, "
+            f"sub_group_size {o.sub_group_size}, rate {o.rate}")
+
+
+def sources_text(sources: dict[str, str]) -> str:
+    """Where each hardware and speed figure came from, grouped by origin."""
+    by: dict[str, list[str]] = {}
+    for name, origin in sources.items():
+        by.setdefault(origin, []).append(name)
+    return "; ".join(f"{origin}: {', '.join(names)}" for origin, names in by.items())
+
+
+def prediction_lines(p: Plan, explain: bool) -> list[str]:
+    """The chosen option's predicted step (part by part with --explain) and, with --explain, the runners-up."""
+    r, pred = p.request, p.step
+    if pred is None:
+        return []
+    pr = r.profile
+    head = (f"predicted step on {pr.name} ({pr.summary}; {pr.accelerator.peak_tflops:g} TFLOP/s peak x "
+            f"{pr.accelerator.gemm_efficiency:.2f} on large GEMMs), chosen as the fastest of "
+            f"{len(p.runners_up) + 1 if not explain else 'the candidates that fit'} by seconds per token:")
+    out = ["", head]
+    if explain:
+        out += pred.lines()
+        if pred.offload is not None:
+            out += ["  offload lanes:"] + ["  " + line for line in pred.offload.lines()[:2]]
+        if p.runners_up:
+            out += ["runners-up (seconds per token against the chosen):"]
+            best = pred.step_s / pred.tokens
+            for other, ev in p.runners_up:
+                out.append(f"  {other.step_s / other.tokens / best:.2f}x: {option_text(r, ev.option)}; step "
+                           f"{other.step_s * 1e3:.1f} ms, {other.tokens_per_s:,.0f} tokens/s")
+    else:
+        out += pred.lines()[:1] + ["  (--explain: every part, and the runners-up)"]
+    return out
 
 
 def summary(p: Plan) -> str:
@@ -548,6 +685,14 @@ def recompute_text(r: Request, full: bool) -> str:
     return "full" if full else r.layout.granularity or "none"
 
 
+def layout_text(r: Request, layout: str) -> str:
+    """The ZeRO-3 layout across nodes and the key that sets it (docs/zero_cache/hierarchical.md)."""
+    node = r.mesh.node_shard_dp
+    return {"mics": f"MiCS shard groups of {node} ranks per node (mics_shard_size {node})",
+            "hpz": f"secondary shards in the node (zero_hpz_partition_size {node})",
+            "flat": "flat"}[layout]
+
+
 def largest_line(p: Plan) -> str:
     flag, n = ("--num-layers", p.largest_layers) if p.largest_layers is not None else \
         ("--num-experts", p.largest_experts)
@@ -585,7 +730,7 @@ def _smallest_does_not_fit(smallest: Request, what: str) -> str:
             f"parameters) on {r.mesh.world} processes need "
             + ", ".join(f"{format_bytes(n)} {what} ({format_bytes(have)} {where})" for what, n, have, _ in short)
             + "; plan for a machine that has it (" + ", ".join(flag for *_, flag in short)
-            + ("; --device cuda --device-memory-gib for a GPU node" if hw.device == "cpu" else "")
+            + ("; --profile NAME for a GPU cluster, see --list-profiles" if hw.device == "cpu" else "")
             + "), or make the model smaller (--hidden-size, --seq-length, --vocab-size) or its shards "
               "(--tensor-model-parallel-size, fewer --nproc-per-node)")
 
@@ -601,7 +746,9 @@ def table(p: Plan, sources: dict[str, str]) -> str:
            + f", {format_bytes(hw.host_memory)} host memory per node, {format_bytes(hw.nvme_free)} free under "
              f"{hw.nvme_path}"
            + (f" (detected: {', '.join(hw.detected)})" if hw.detected else ""),
-           f"option: offload={ev.option.offload}, micro-batch {ev.option.micro_batch_size}, "
+           f"figures from: {sources_text(sources.get('hardware', {}))}",
+           f"option: offload={ev.option.offload}, layout {layout_text(r, ev.option.layout)}, "
+           f"micro-batch {ev.option.micro_batch_size}, "
            f"recompute {recompute_text(r, ev.option.recompute)}, sub_group_size {ev.option.sub_group_size}, "
            f"prefetch_cache_sub_group_rate {ev.option.rate}", ""]
     cols = ["tier", "params", "grads", "optimizer", "staging", "gathered", "reduce", "activations", "logits",
@@ -639,8 +786,9 @@ def table(p: Plan, sources: dict[str, str]) -> str:
                f"disk {format_bytes(n * worst[NVME])} of {format_bytes(hw.nvme_free)}")
     z = ev.config["zero_optimization"]
     out += ["", "recommendation:",
-            f"  offload: {ev.option.offload}; micro-batch {ev.option.micro_batch_size} (requested "
-            f"{r.micro_batch_size}); recompute: {recompute_text(r, ev.option.recompute)}",
+            f"  offload: {ev.option.offload}; layout: {layout_text(r, ev.option.layout)}; micro-batch "
+            f"{ev.option.micro_batch_size} (requested {r.micro_batch_size}); recompute: "
+            f"{recompute_text(r, ev.option.recompute)}",
             f"  prefetch_cache_sub_group_rate {z['prefetch_cache_sub_group_rate']}, max_contigous_params_size "
             f"{z['max_contigous_params_size']}, sub_group_size {z['sub_group_size']}, allgather_bucket_size "
             f"{z['allgather_bucket_size']}, stage3_prefetch_bucket_size {z['stage3_prefetch_bucket_size']}, "
@@ -651,12 +799,7 @@ def table(p: Plan, sources: dict[str, str]) -> str:
         out.append(f"  the longest sequence that fits: --seq-length {p.longest_seq} (the next multiple of "
                    f"{seq_step(r.mesh, r.layout)} does not)")
     out += moe_lines(p)
-    if p.step is not None:
-        sp = r.speeds
-        out += ["", f"predicted step ({r.accumulation_steps} micro-batch(es); {sp.device_tflops:g} TFLOP/s, PCIe "
-                f"{sp.pcie_gbps:g} GB/s, device Adam {sp.device_adam_elems_per_s:.3g} and host Adam "
-                f"{sp.host_adam_elems_per_s:.3g} elements/s{' (measured)' if sp.measured else ''}, SSD "
-                f"{sp.ssd_gbps:g} GB/s):"] + p.step.lines()
+    out += prediction_lines(p, sources.get("explain", False))
     out += ["", summary(p)]
     return "\n".join(out)
 
@@ -665,6 +808,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--list-sizes" in argv:
         print(sizes_table())
+        return EXIT_FITS
+    if "--list-profiles" in argv:
+        print(profiles_table())
         return EXIT_FITS
     try:
         request, args = request_from_args(argv)
@@ -701,6 +847,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plan_memory.py: error: cannot write {e.filename} ({e.strerror}); give a path in an existing, "
                   f"writable directory", file=sys.stderr)
             return EXIT_BAD_INPUT
-    sources = {"seq_length": args.seq_length_from, "micro_batch_size": args.micro_batch_size_from}
+    sources = {"seq_length": args.seq_length_from, "micro_batch_size": args.micro_batch_size_from,
+               "hardware": args.hardware_sources, "explain": args.explain}
     print(json.dumps(to_json(result, sources), indent=2) if args.json else table(result, sources))
     return EXIT_FITS if result.fits else EXIT_DOES_NOT_FIT

@@ -11,7 +11,9 @@ from megatron.core.moe.config import MoEConfig
 from megatron.core.transformer_config import TransformerConfig
 from ptm_planner.plan import Evaluation, Option, Planner, Request, with_experts, with_layers
 from ptm_planner.sizes import SIZES, ModelSize
-from ptm_planner.step_time import StepBreakdown
+from ptm_planner.step_model import StepPrediction
+
+RUNNERS_UP = 4  # candidates --explain shows after the chosen one
 
 
 @dataclass
@@ -20,7 +22,8 @@ class Plan:
     fits: bool
     chosen: Evaluation  # the chosen option (or the leanest one when nothing fits)
     num_parameters: int
-    step: StepBreakdown | None = None  # predicted step with the request's speeds (accelerator only)
+    step: StepPrediction | None = None  # the chosen option's predicted step (with an accelerator's profile)
+    runners_up: list[tuple[StepPrediction, Evaluation]] = field(default_factory=list)  # the next fastest that fit
     largest_layers: int | None = None  # largest num_layers of this family that fits (None: not computed)
     largest_parameters: int | None = None
     largest_size: str | None = None  # largest start.sh size that fits (computed when the request does not)
@@ -150,7 +153,9 @@ def plan(request: Request, largest_value: int | None = None, largest_by: str = "
     of the dimension ``largest_by``)."""
     planner = Planner(request)
     chosen = planner.search()
-    result = Plan(request, chosen.fits, chosen, request.model.num_parameters(), planner.breakdown(chosen))
+    result = Plan(request, chosen.fits, chosen, request.model.num_parameters(), planner.predict(chosen))
+    if request.profile is not None and chosen.fits:
+        result.runners_up = [pe for pe in planner.ranked() if pe[1] is not chosen][:RUNNERS_UP]
     if largest_value is not None or not chosen.fits:
         by = largest_by if largest_value is not None else "layers"
         if by == "layers" and request.model.moe is not None and not isinstance(request.model.moe.layer_freq, int):

@@ -115,15 +115,16 @@ def reduce_result_bytes(plans: list[ChunkPlan], elem: int) -> int:
 
 def non_state(cfg: TransformerConfig, mesh: Mesh, stage: StageModel, plans: list[ChunkPlan], *,
               micro_batch: int, recompute: bool, arena: int, cpu: bool, overhead: RuntimeOverhead,
-              layout: ActivationLayout, results_miss_shards: bool = False) -> NonState:
+              layout: ActivationLayout, results_miss_shards: bool = False, secondary: int = 0) -> NonState:
     """One pipeline stage's memory besides its states: ``arena`` elements of gathered parameters
     (max_contigous_params_size, allocated whole at start-up), reduce buffers, activations and logits of
     ``micro_batch`` (``recompute``: full, else the layout's granularity), and ``overhead``; ``cpu``: the device
     tier is host memory (glibc's heap term applies); ``results_miss_shards``: gradient shards may be on SSD, or
-    micro-batches accumulate (``reduce_result_bytes``)."""
+    micro-batches accumulate (``reduce_result_bytes``); ``secondary``: elements of hpZ's secondary shards, kept
+    gathered beside the arena for the step."""
     elem = cfg.params_dtype.itemsize
     largest = max((c.padded for c in plans), default=0)
-    gathered = arena * elem
+    gathered = (arena + secondary) * elem
     # max_param_reduce_events (1) reduction in flight and one chunk accumulating, then one more chunk: the
     # gradient of a parameter outside the fused layers, or the results that miss their shard, the larger (the
     # fused layers leave only small parameters' gradients). Measured on the dense family with states on SSD

@@ -10,13 +10,18 @@ tier are what ``engine.memory_report()`` reports. Memory that is not model state
 per-process runtime overhead. A mixture of experts plans the same way: its experts are a param group of
 their own, sharded over the expert-data-parallel group (stages.py).
 
-Choice, fastest first: offload none; optimizer and parameters in host memory; the same with what the host
-cannot hold spilled to SSD; everything on SSD. Within each: one transformer layer per chunk, then one
-matrix per chunk (less gathered memory); the requested micro-batch, then full recompute, then halved
-micro-batches; the largest sub_group_size whose SSD staging fits; on an accelerator, an arena that keeps
-every gathered chunk from the forward to the backward, then one of two chunks; and the largest
-prefetch_cache_sub_group_rate (share of optimizer sub-groups kept on the device) that fits. The first
-option that fits wins.
+Choice: on an accelerator, every configuration below that fits is a candidate and the one with the fewest
+predicted seconds per token wins (step_model.py; ``Planner.ranked``): per offload mode, activation choice and
+layout, the first of the largest pages, sub-groups and kept-gathered arena that fits. Without an accelerator's
+profile, the first that fits in this order, fastest first by rule: offload none; optimizer and parameters in
+host memory; the same with what the host cannot hold spilled to SSD; everything on SSD. Within each: one
+transformer layer per chunk, then one matrix per chunk (less gathered memory); the requested micro-batch, then
+full recompute, then halved micro-batches; the largest sub_group_size whose SSD staging fits; on an
+accelerator, an arena that keeps every gathered chunk from the forward to the backward, then one of two chunks;
+and the largest prefetch_cache_sub_group_rate (share of optimizer sub-groups kept on the device) that fits.
+When a data-parallel group spans nodes (more than one member on each), each choice of activations tries the
+layouts that send fewer bytes between nodes first (LAYOUTS): shard groups of one node's ranks (MiCS, more state
+per rank), then secondary shards in the node (hpZ, a 1/node copy of the gathered parameters), then flat.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import copy
 import dataclasses
 import math
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +37,10 @@ import torch
 from megatron.core.transformer_config import TransformerConfig
 from ptm_planner.activations import ActivationLayout
 from ptm_planner.non_state import CPU_OVERHEAD, CUDA_OVERHEAD, GiB, NonState, RuntimeOverhead, non_state
+from ptm_planner.profiles import ClusterProfile
 from ptm_planner.stages import EXPERT_GROUP, Mesh, StageModel, build_stage, representative_stages
+from ptm_planner.step_model import DataParallel, ModelShape, Parallel, StepPrediction, Workload
+from ptm_planner.step_model import predict as predict_step
 from ptm_planner.step_time import Speeds, StepBreakdown, StepWork, balanced_rate, predict
 from zero_cache.aio import HEADER_BYTES, round_up
 from zero_cache.config import ZeroCacheConfig, ZeroConfigError, parse_config
@@ -75,9 +84,10 @@ class Request:
     offloads: tuple[str, ...] = OFFLOADS  # allowed offload modes, fastest first
     make_vocab_size_divisible_by: int = 128
     size_name: str | None = None
-    speeds: Speeds | None = None  # with an accelerator: the step prediction and the balanced rate (step_time.py)
+    speeds: Speeds | None = None  # with an accelerator: the offload lanes and the balanced rate (step_time.py)
     accumulation_steps: int = 1  # micro-batches per step, for the step prediction
     layout: ActivationLayout = ActivationLayout()  # sequence/context parallelism, interleaving, recompute, offload
+    profile: ClusterProfile | None = None  # with an accelerator: the step-time model's cluster (step_model.py)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -106,10 +116,17 @@ class Option:
     # The arena holds every gathered chunk, so the forward's gathers serve the backward too (no second gather
     # or host-to-device copy of the parameters per micro-batch); tried first on an accelerator.
     keep_gathered: bool = False
+    layout: str = "flat"  # across nodes (LAYOUTS): flat ZeRO-3, MiCS shard groups of a node, or hpZ secondary shards
 
     @property
     def max_live(self) -> int:
         return 3 * self.page  # the chunk in use, the one prefetched and one kept for reuse
+
+
+# ZeRO-3 layouts across nodes, fewest inter-node bytes first (docs/zero_cache/hierarchical.md): "mics" shards over the
+# data-parallel ranks of one node (its gathers stay inside it; only gradient shards cross), "hpz" keeps secondary
+# shards in the node (the backward's gathers stay inside it), "flat" shards over the whole group.
+LAYOUTS = ("mics", "hpz", "flat")
 
 
 def persistence_threshold(model_cfg: TransformerConfig) -> int:
@@ -146,6 +163,11 @@ def ds_config(request: Request, option: Option, arena: int, budgets: dict[str, i
         # test machine ran out of memory in its second step with the heap kept).
         "reuse_freed_host_memory": False,
     }
+    node = request.mesh.node_shard_dp
+    if option.layout == "mics":
+        zero["mics_shard_size"] = node
+    elif option.layout == "hpz":
+        zero["zero_hpz_partition_size"] = node
     if option.offload != "none":  # "cpu+nvme": host memory, the sub-groups beyond the host budget on SSD
         device = "nvme" if option.offload == "nvme" else "cpu"
         for key in ("offload_optimizer", "offload_param"):
@@ -248,50 +270,63 @@ class Planner:
         # Page sizes, largest first: one transformer layer per chunk, else one matrix (least gathered memory).
         self.pages = sorted({max(s.layer_weights for s in self.stages), max(s.layer_matrix for s in self.stages)},
                             reverse=True)
-        self._plans: dict[int, list[list[ChunkPlan]]] = {}
-        self._sub_groups: dict[tuple[int, int, int], list[list[int]]] = {}
+        self._plans: dict[tuple[int, str], list[list[ChunkPlan]]] = {}
+        self._sub_groups: dict[tuple[int, int, int, str], list[list[int]]] = {}
         self._unbudgeted: dict[tuple, list[StateAccount]] = {}  # placements without a host budget
         self._evaluations: dict[tuple[Option, bool], Evaluation] = {}
+        self._ranked: list[tuple[StepPrediction, Evaluation]] | None = None
 
-    def plans(self, page: int) -> list[list[ChunkPlan]]:
+    def layouts(self) -> tuple[str, ...]:
+        """The layouts to try, fewest inter-node bytes first: all of them when a data-parallel group spans
+        nodes with more than one member on each, else flat."""
+        mesh = self.request.mesh
+        return LAYOUTS if 1 < mesh.node_shard_dp < mesh.shard_dp else ("flat",)
+
+    def plans(self, page: int, layout: str = "flat") -> list[list[ChunkPlan]]:
         """Every stage's chunks, packed by the engine's own code."""
-        if page not in self._plans:
+        key = (page, layout)
+        if key not in self._plans:
             mesh = self.request.mesh
-            self._plans[page] = [plan_chunks(s.named, s.group_of, stage=3, page_numel=page, dp_size=mesh.shard_dp,
-                                             persistence_threshold=persistence_threshold(self.request.model),
-                                             isolated=s.isolated, group_dp_sizes=mesh.group_dp_sizes())
-                                 for s in self.stages]
-        return self._plans[page]
+            sizes = mesh.group_dp_sizes(mesh.node_shard_dp if layout == "mics" else 0)
+            self._plans[key] = [plan_chunks(s.named, s.group_of, stage=3, page_numel=page, dp_size=mesh.shard_dp,
+                                            persistence_threshold=persistence_threshold(self.request.model),
+                                            isolated=s.isolated, group_dp_sizes=sizes)
+                                for s in self.stages]
+        return self._plans[key]
 
-    def sub_groups(self, page: int, i: int, size: int) -> list[list[int]]:
-        key = (page, i, size)
+    def sub_groups(self, page: int, i: int, size: int, layout: str = "flat") -> list[list[int]]:
+        key = (page, i, size, layout)
         if key not in self._sub_groups:
-            self._sub_groups[key] = plan_sub_groups(self.plans(page)[i], size)
+            self._sub_groups[key] = plan_sub_groups(self.plans(page, layout)[i], size)
         return self._sub_groups[key]
 
     def arena(self, option: Option) -> int:
         """One arena size for every rank: the largest any pipeline stage needs."""
         elem = self.request.dtype.itemsize
         return max(arena_numel([c.padded for c in plans if not c.resident], elem, option.keep_gathered)
-                   for plans in self.plans(option.page))
+                   for plans in self.plans(option.page, option.layout))
 
     def non_state(self, stage: StageModel, plans: list[ChunkPlan], option: Option) -> NonState:
         r = self.request
+        # hpZ keeps 1/node of every partitioned dense chunk as its secondary shard, in the compute dtype.
+        secondary = (sum(c.padded for c in plans if not c.resident and c.group != EXPERT_GROUP)
+                     // r.mesh.node_shard_dp if option.layout == "hpz" else 0)
         return non_state(r.model, r.mesh, stage, plans, micro_batch=option.micro_batch_size,
                          recompute=option.recompute, arena=self.arena(option), cpu=self.cpu,
                          overhead=r.hardware.overhead, layout=r.layout,
-                         results_miss_shards=option.offload in ("nvme", "cpu+nvme") or r.accumulation_steps > 1)
+                         results_miss_shards=option.offload in ("nvme", "cpu+nvme") or r.accumulation_steps > 1,
+                         secondary=secondary)
 
     def keep_choices(self) -> tuple[bool, ...]:
         """keep_gathered, fastest first: on an accelerator the gathered parameters stay for the backward when
         device memory allows; on a CPU machine the device tier is host memory, kept for the states."""
         return (False,) if self.cpu else (True, False)
 
-    def sub_group_sizes(self, page: int, offload: str = "none") -> list[int]:
+    def sub_group_sizes(self, page: int, offload: str = "none", layout: str = "flat") -> list[int]:
         """Candidates, largest first: from about 10 sub-groups per stage down to one chunk each. With states
         on SSD, only sizes whose three sub-groups in flight (pipeline_optimizer; at most 16 bytes per
         element: master, Adam moments, gradient) take at most a quarter of the host memory per process."""
-        plans = self.plans(page)
+        plans = self.plans(page, layout)
         total = max(sum(c.shard for c in p) for p in plans)
         one_chunk = max(c.shard for p in plans for c in p)
         top = max(total // 10, one_chunk)
@@ -329,12 +364,12 @@ class Planner:
         if ignore_capacity:
             cap = dict.fromkeys(cap, sys.maxsize // 4)
         _, cfg = self.parse(option, None)
-        plans = self.plans(option.page)
+        plans = self.plans(option.page, option.layout)
         nonstate = [self.non_state(s, p, option) for s, p in zip(self.stages, plans)]
-        sgs = [self.sub_groups(option.page, i, option.sub_group_size) for i in range(len(self.stages))]
+        sgs = [self.sub_groups(option.page, i, option.sub_group_size, option.layout) for i in range(len(self.stages))]
         dtype = self.request.dtype
         # The device-tier states do not depend on the host budget (what spills goes from the host to SSD).
-        key = (option.offload, option.page, option.sub_group_size, option.rate)
+        key = (option.offload, option.page, option.sub_group_size, option.rate, option.layout)
         if key not in self._unbudgeted:
             self._unbudgeted[key] = [account_states(p, sg, cfg, dtype, self.device, sys.maxsize)
                                      for p, sg in zip(plans, sgs)]
@@ -415,10 +450,10 @@ class Planner:
 
     def step_work(self, ev: Evaluation, i: int) -> StepWork:
         """Stage ``i``'s work per step on one rank, from its placement."""
-        st, plans = ev.stages[i], self.plans(ev.option.page)[i]
+        st, plans = ev.stages[i], self.plans(ev.option.page, ev.option.layout)[i]
         tiers, by = st.states.opt_tiers, st.states.by_kind_tier
         elem = self.request.dtype.itemsize
-        steps = self.request.accumulation_steps
+        steps = self.micro_batches(ev.option)
         away = lambda kind: by.get((kind, HOST), 0) + by.get((kind, NVME), 0)  # noqa: E731
         elems = {t: sum(p.shard for p in plans if tiers[p.index] == t) for t in TIERS}
         resident_away = sum(p.shard for p in plans if p.resident and tiers[p.index] != DEVICE)
@@ -438,11 +473,41 @@ class Planner:
                         ssd_elems=elems[NVME], ssd_bytes=2 * sum(n for (_, t), n in by.items() if t == NVME))
 
     def breakdown(self, ev: Evaluation) -> StepBreakdown | None:
-        """The predicted step of the slowest pipeline stage (None without an accelerator's speeds)."""
+        """The offload lanes of the slowest pipeline stage (None without an accelerator's speeds)."""
         if self.request.speeds is None or self.cpu:
             return None
         return max((predict(self.step_work(ev, i), self.request.speeds) for i in range(len(ev.stages))),
                    key=lambda b: b.step_s)
+
+    def micro_batches(self, option: Option) -> int:
+        """Micro-batches per step: the requested ones, more where the option lowered the micro-batch (the global
+        batch stays)."""
+        r = self.request
+        return max(1, r.accumulation_steps * r.micro_batch_size // option.micro_batch_size)
+
+    def workload(self, ev: Evaluation) -> Workload:
+        """The step-time model's view of ``ev``: the request's model and mesh with the option's micro-batch,
+        recompute and ZeRO-3 layout; micro-batches per step keep the requested global batch."""
+        r, opt = self.request, ev.option
+        mesh, layout = r.mesh, r.layout
+        v = layout.virtual_stages(r.model.num_layers // mesh.pp)
+        parallel = Parallel(tp=mesh.tp, pp=mesh.pp, cp=mesh.cp, ep=mesh.ep, dp=mesh.dp, virtual_stages=v,
+                            sequence_parallel=layout.seq_split(mesh.tp) > 1, cp_comm_type=layout.cp_comm_type)
+        micro_batches = self.micro_batches(opt)
+        recompute = "full" if opt.recompute else layout.granularity
+        zero = DataParallel("zero3", layout=opt.layout, keep_gathered=opt.keep_gathered)
+        return Workload(ModelShape.from_config(r.model), parallel, opt.micro_batch_size, micro_batches, recompute,
+                        attention="flash", dtype_bytes=r.dtype.itemsize, data_parallel=zero,
+                        stage_params=max(st.numel for st in ev.stages),
+                        active_params=r.model.num_parameters(active=True))
+
+    def predict(self, ev: Evaluation) -> StepPrediction | None:
+        """The predicted step of ``ev`` on the request's profile (None without one)."""
+        profile = self.request.profile
+        if profile is None or self.cpu:
+            return None
+        offload = self.breakdown(ev) if ev.option.offload != "none" else None
+        return predict_step(self.workload(ev), profile.with_nodes_of(self.request.mesh.nproc_per_node), offload)
 
     def largest_rate(self, option: Option) -> Evaluation:
         """The largest prefetch_cache_sub_group_rate (share of sub-groups on the device) that fits."""
@@ -485,21 +550,44 @@ class Planner:
                 out.append((mb, False))
 
     def search(self) -> Evaluation:
-        """The first option that fits, fastest first (offload, then page, activations, sub-group size);
-        when none fits, the leanest option's evaluation (its failures say what is missing)."""
+        """The fastest predicted option that fits (with an accelerator's profile), else the first that fits in
+        the order of the rules; when none fits, the leanest option's evaluation (its failures say what is
+        missing)."""
+        if self.request.profile is not None and not self.cpu:
+            ranked = self.ranked()
+            return ranked[0][1] if ranked else self.evaluate(self.leanest())
+        return self.first_fit()
+
+    def candidates(self) -> Iterator[Evaluation]:
+        """Per offload (the first page where the leanest activations fit), activation choice and layout: the first
+        option that fits, largest sub-groups and kept-gathered arena first; in the order of the rules."""
         for offload in self.request.offloads:
             for page in self.pages:
-                sizes = self.sub_group_sizes(page, offload)
-                sizes = sizes[:1] if offload == "none" else sizes
-                if not self.best_rate(Option(offload, page, 1, self.request.recompute_allowed, sizes[-1])).fits:
+                sizes = {x: self.sub_group_sizes(page, offload, x) for x in self.layouts()}
+                sizes = {x: s[:1] if offload == "none" else s for x, s in sizes.items()}
+                if not self.best_rate(Option(offload, page, 1, self.request.recompute_allowed,
+                                             sizes["flat"][-1])).fits:
                     continue  # not even the leanest activations fit
                 for mb, rc in self.activation_options():
-                    for size in sizes:
-                        for keep in self.keep_choices():
-                            ev = self.best_rate(Option(offload, page, mb, rc, size, keep_gathered=keep))
-                            if ev.fits:
-                                return ev
-        return self.evaluate(self.leanest())
+                    for layout, layout_sizes in sizes.items():
+                        ev = next((ev for size in layout_sizes for keep in self.keep_choices()
+                                   if (ev := self.best_rate(Option(offload, page, mb, rc, size, keep_gathered=keep,
+                                                                   layout=layout))).fits), None)
+                        if ev is not None:
+                            yield ev
+                break
+
+    def ranked(self) -> list[tuple[StepPrediction, Evaluation]]:
+        """Every candidate that fits with its predicted step, fewest seconds per token first."""
+        if self._ranked is None:
+            scored = [(self.predict(ev), ev) for ev in self.candidates()]
+            self._ranked = sorted(scored, key=lambda pe: pe[0].step_s / pe[0].tokens)
+        return self._ranked
+
+    def first_fit(self) -> Evaluation:
+        """The first candidate, fastest first by rule (offload, then page, activations, sub-group size); the leanest
+        option's evaluation when none fits."""
+        return next(self.candidates(), None) or self.evaluate(self.leanest())
 
     def leanest(self) -> Option:
         """Least memory per process: states on SSD (if allowed), smallest pages and sub-groups, micro-batch 1,
@@ -527,6 +615,7 @@ class Planner:
         other = copy.copy(self)
         other.request = dataclasses.replace(self.request, hardware=hardware)
         other._evaluations = {}
+        other._ranked = None
         return other
 
     def requirements(self, option: Option) -> dict[str, int]:

@@ -60,9 +60,18 @@ class Mesh:
         check_expert_parallel_size(self.ep, self.dp)
         return self.shard_dp // self.ep
 
-    def group_dp_sizes(self) -> list[int]:
-        """Ranks each param group is sharded over (DECAY_GROUP, NO_DECAY_GROUP, EXPERT_GROUP)."""
-        return [self.shard_dp, self.shard_dp, self.expert_dp]
+    @property
+    def node_shard_dp(self) -> int:
+        """Members of a data x context group on one node: Megatron's order puts tensor parallelism fastest, then
+        context and data, so a node of ``nproc_per_node`` ranks holds ``nproc_per_node / tp`` of them (all of
+        them when the group fits in a node)."""
+        return max(1, min(self.shard_dp, self.nproc_per_node // self.tp))
+
+    def group_dp_sizes(self, dense_shard: int = 0) -> list[int]:
+        """Ranks each param group is sharded over (DECAY_GROUP, NO_DECAY_GROUP, EXPERT_GROUP); ``dense_shard``:
+        the dense groups' MiCS shard group (0: the whole data x context group)."""
+        dense = dense_shard or self.shard_dp
+        return [dense, dense, self.expert_dp]
 
 
 @dataclass

@@ -153,14 +153,17 @@ def test_moe_layer_activations_count_the_routed_rows():
 
 def test_gpu_step_prediction_computes_with_the_active_parameters(capsys):
     """moe-8x1.3b on 8 GPUs with EP 8: each rank holds 1 expert per layer, and computes per token with the
-    model's 2.12B active parameters (6 FLOPs each per token, 4 x 256 tokens a micro-batch, 400 TFLOP/s)."""
+    model's 2.12B active parameters: the step's model FLOPs are 6 per active parameter and token plus causal
+    attention's (6 x seq x hidden per layer and token), over 4 x 256 tokens a micro-batch on each of 8 ranks."""
     code, plan = _plan(["--size", "moe-8x1.3b", "--device", "cuda", "--device-memory-gib", "80", "--bf16",
                         "--host-memory-gib", "1024", "--nvme-free-gib", "3000", *_mesh(8, 8)], capsys)
     assert code == EXIT_FITS and plan["option"]["micro_batch_size"] == 4 and not plan["option"]["recompute"]
     (stage,) = plan["stages"]
     assert stage["active_parameters"] == plan["model"]["num_parameters_active"] == 2_117_603_328
     assert stage["expert_parameters"] == 24 * 2 * 2048 * 8192  # one expert of each layer
-    assert plan["step_prediction"]["compute_s"] == pytest.approx(6 * 2_117_603_328 * 4 * 256 / 400e12)
+    pred = plan["step_prediction"]
+    flops = pred["tflops_per_gpu"] * 1e12 * pred["step_s"] * 8
+    assert flops == pytest.approx((6 * 2_117_603_328 + 6 * 256 * 2048 * 24) * 4 * 256 * 8)
     # bf16: 2-byte parameters, fp32 gradient, master and moments over 1 expert-data-parallel rank (DP 8 / EP 8).
     assert sum(stage["expert_states_by_tier"].values()) == 18 * stage["expert_parameters"]
 

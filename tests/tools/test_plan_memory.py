@@ -226,15 +226,16 @@ def test_gpu_rate_balances_the_device_and_host_optimizer_parts(capsys):
     """Everything would fit on the device; the rate stops where the device's Adam and the host's take equal time."""
     code, fast_device = _plan_json(GPU, capsys)
     assert code == EXIT_FITS and fast_device["option"]["rate"] >= 0.97  # a 50x faster device takes almost all
-    code, plan = _plan_json(GPU + ["--host-adam-elems-per-s", "5e10"], capsys)  # host as fast as the device
+    same = ["--host-adam-elems-per-s", "5e10", "--device-adam-elems-per-s", "5e10"]  # host as fast as the device
+    code, plan = _plan_json(GPU + same, capsys)
     assert code == EXIT_FITS and plan["option"]["rate"] == 0.5
-    step = plan["step_prediction"]
-    assert step["device_adam_s"] == pytest.approx(step["host_adam_s"], rel=0.05)  # they finish together
-    assert step["optimizer_s"] == max(step["device_adam_s"], step["host_lane_s"])
-    assert step["step_s"] == pytest.approx(step["forward_backward_s"] + step["optimizer_s"])
-    assert main(GPU + ["--gradient-accumulation-steps", "2"]) == EXIT_FITS
+    lanes = plan["step_prediction"]["offload"]
+    assert lanes["device_adam_s"] == pytest.approx(lanes["host_adam_s"], rel=0.05)  # they finish together
+    assert lanes["optimizer_s"] == max(lanes["device_adam_s"], lanes["host_lane_s"])
+    assert plan["step_prediction"]["step"]["optimizer (device Adam beside the host lane)"] == lanes["optimizer_s"]
+    assert main(GPU + ["--gradient-accumulation-steps", "2", "--explain"]) == EXIT_FITS
     out = capsys.readouterr().out
-    assert "predicted step (2 micro-batch(es)" in out and "device Adam" in out and "host lane" in out
+    assert "(2 micro-batches + bubble 0.00)" in out and "device Adam" in out and "host lane" in out
 
 
 def test_cpu_plans_have_no_step_prediction(capsys):
@@ -362,3 +363,25 @@ def test_command_line_prints_what_main_prints(how, tmp_path, capsys):
         run = subprocess.run([sys.executable, *argv, *args], cwd=cwd, env=_without_pythonpath(),
                              capture_output=True, text=True, timeout=300)
         assert (run.returncode, run.stdout, run.stderr) == (code, expected.out, expected.err)
+
+
+def test_multi_node_plan_chooses_the_layout_that_keeps_bytes_in_the_node(capsys):
+    """Across nodes every layout that fits is a candidate and the fastest predicted wins: on 100 Gb/s Ethernet,
+    MiCS shard groups of a node while their states fit on the device, then hpZ secondary shards; on InfiniBand
+    with 4 GiB GPUs flat ZeRO-3 (no secondary copy to hold). The plan writes the key that sets the layout, and
+    one node is always flat."""
+    node = ["--size", "1.3b", "--bf16", "--device", "cuda", "--nproc-per-node", "8", "--nnodes", "4",
+            "--host-memory-gib", "1000", "--nvme-free-gib", "1000"]
+    chosen = {}
+    for profile, gib in (("a100-eth", "16"), ("a100-eth", "5"), ("h100", "4")):
+        code, plan = _plan_json(node + ["--profile", profile, "--device-memory-gib", gib], capsys)
+        assert code == EXIT_FITS and plan["profile"] == profile
+        fastest = plan["step_prediction"]["tokens_per_s"]
+        assert plan["runners_up"] and all(fastest >= r["step_prediction"]["tokens_per_s"] for r in plan["runners_up"])
+        chosen[gib] = (plan["option"]["layout"], plan["ds_config"]["zero_optimization"])
+    assert chosen["16"][0] == "mics" and chosen["16"][1]["mics_shard_size"] == 8
+    assert chosen["5"][0] == "hpz" and chosen["5"][1]["zero_hpz_partition_size"] == 8
+    assert chosen["4"][0] == "flat" and not {"mics_shard_size", "zero_hpz_partition_size"} & set(chosen["4"][1])
+    code, one = _plan_json(node[:-6] + ["--nnodes", "1", "--host-memory-gib", "1000", "--nvme-free-gib", "1000",
+                                        "--device-memory-gib", "16"], capsys)
+    assert code == EXIT_FITS and one["option"]["layout"] == "flat"
