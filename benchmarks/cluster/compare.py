@@ -20,11 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.cluster import compute
-from benchmarks.cluster.hosts import REPO, ClusterError, ClusterSpec, EmulatedCluster
+from benchmarks.cluster.hosts import REPO
 from benchmarks.cluster.job import run_job, summarize
-from benchmarks.cluster.profiles import PROFILES, derive
-from benchmarks.cluster.run import MIB, shaping_for, stop_on_sigterm
+from benchmarks.cluster.run import MIB, cluster_choice, exits_on_cluster_failure, shaped_clusters, stop_on_sigterm
 
 BUCKET = 16_384  # elements per ZeRO chunk: several chunks per layer of the tiny GPT, so gathers overlap compute
 
@@ -61,15 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per job")
     parser.add_argument("--out", type=Path, help="write the markdown here")
     args = parser.parse_args(argv)
-    try:
-        topologies = [tuple(int(x) for x in t.split("x")) for t in args.topologies.split(",")]
-    except ValueError:
-        topologies = []
-    if not topologies or any(len(t) != 2 or min(t) < 1 for t in topologies):
-        parser.error(f"--topologies {args.topologies}: give HOSTSxRANKS pairs, e.g. 2x2,4x2")
-    profiles = args.profiles.split(",")
-    if unknown := [p for p in profiles if p not in PROFILES]:
-        parser.error(f"--profiles: unknown {unknown}; known: {', '.join(PROFILES)}")
+    topologies, profiles = cluster_choice(parser, args)
     strategies = args.strategies.split(",")
     if unknown := [s for s in strategies if s not in ("zero3", "ddp")]:
         parser.error(f"--strategies: unknown {unknown}; known: zero3, ddp")
@@ -86,44 +76,27 @@ def main(argv: list[str] | None = None) -> int:
             "engine MiB/step (logging rank) |", "|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory(prefix="ptm-cluster-compare-") as tmp:
         ds_config = zero3_config(Path(tmp) / "ds_config_zero3_tiny.json")
-        for hosts, ranks in topologies:
-            world = hosts * ranks
-            flops, per_rank = compute.flops_per_rank(world)
-            print(f"{hosts}x{ranks}: {world} ranks at once: {flops / 1e9:.2f} GFLOP/s fp32 per rank "
-                  f"({', '.join(f'{f / 1e9:.2f}' for f in per_rank)})", flush=True)
-            spec = ClusterSpec(hosts, ranks)
-            try:
-                with EmulatedCluster(spec) as cluster:
-                    for name in profiles:
-                        links = derive(PROFILES[name], flops, ranks, args.max_delay_ms / 1e3)
-                        cluster.shape(shaping_for(links))
-                        line = f"{hosts}x{ranks}: {links.line(cluster.delays_applied)}"
-                        print(line, flush=True)
-                        derivations.append(f"- {line}")
-                        for strategy in strategies:
-                            argv_job = gpt_args(world, args.hidden, args.layers, args.seq, args.micro_batch,
-                                                args.steps)
-                            if strategy == "zero3":
-                                argv_job += ["--deepspeed", "--deepspeed_config", str(ds_config)]
-                            result = run_job(spec, argv_job, args.timeout_s)
-                            summary = summarize(result)
-                            if result.failure or summary is None:
-                                print("\n".join(result.output[-30:]))
-                                rows.append(f"| {hosts}x{ranks} | {name} | {strategy} | failed: "
-                                            f"{(result.failure or 'no steps logged').splitlines()[0]} | | | |")
-                            else:
-                                engine = (f"{summary.engine_bytes / MIB:.2f}" if summary.engine_bytes is not None
-                                          else "-")
-                                rows.append(f"| {hosts}x{ranks} | {name} | {strategy} | {summary.seconds:.2f} | "
-                                            f"{summary.inter_bytes / MIB:.2f} | {summary.intra_bytes / MIB:.2f} | "
-                                            f"{engine} |")
-                            print(rows[-1], flush=True)
-            except ClusterError as e:
-                print(f"benchmarks.cluster.compare: error: {e}", file=sys.stderr)
-                return 1
-            except KeyboardInterrupt:
-                print("benchmarks.cluster.compare: interrupted; no host is left", file=sys.stderr)
-                return 130
+        with exits_on_cluster_failure("benchmarks.cluster.compare"):
+            for hosts, ranks, name, spec in shaped_clusters(topologies, profiles, args.max_delay_ms, derivations):
+                world = hosts * ranks
+                for strategy in strategies:
+                    argv_job = gpt_args(world, args.hidden, args.layers, args.seq, args.micro_batch,
+                                        args.steps)
+                    if strategy == "zero3":
+                        argv_job += ["--deepspeed", "--deepspeed_config", str(ds_config)]
+                    result = run_job(spec, argv_job, args.timeout_s)
+                    summary = summarize(result)
+                    if result.failure or summary is None:
+                        print("\n".join(result.output[-30:]))
+                        rows.append(f"| {hosts}x{ranks} | {name} | {strategy} | failed: "
+                                    f"{(result.failure or 'no steps logged').splitlines()[0]} | | | |")
+                    else:
+                        engine = (f"{summary.engine_bytes / MIB:.2f}" if summary.engine_bytes is not None
+                                  else "-")
+                        rows.append(f"| {hosts}x{ranks} | {name} | {strategy} | {summary.seconds:.2f} | "
+                                    f"{summary.inter_bytes / MIB:.2f} | {summary.intra_bytes / MIB:.2f} | "
+                                    f"{engine} |")
+                    print(rows[-1], flush=True)
     text = "\n".join([*out, *rows, "", "Derivations:", *derivations, "", f"Load after: {_uptime()}", ""])
     print(text)
     if args.out:

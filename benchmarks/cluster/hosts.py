@@ -14,6 +14,17 @@ class ClusterError(RuntimeError):
     """The hosts could not be made, shaped or removed; the message names the cause."""
 
 
+def parse_topologies(text: str) -> list[tuple[int, int]]:
+    """``"2x2,4x2"`` -> [(2, 2), (4, 2)] (hosts x ranks per host); ValueError when it is not such a list."""
+    try:
+        topologies = [tuple(int(x) for x in t.split("x")) for t in text.split(",")]
+    except ValueError:
+        topologies = []
+    if not topologies or any(len(t) != 2 or min(t) < 1 for t in topologies):
+        raise ValueError(f"{text}: give HOSTSxRANKS pairs, e.g. 2x2,4x2")
+    return topologies
+
+
 @dataclass(frozen=True)
 class Shaping:
     """Per direction; 0: not limited. Rates in bit/s, delays in microseconds."""

@@ -1,6 +1,7 @@
 """One torchrun job on the emulated hosts: a torchrun per host inside its namespace, the rendezvous on the
-first host, and the kernel's byte counters read at every step the trainer's log line reports (Megatron
-prints it on the last rank, so every host's output is read)."""
+first host, and the kernel's byte counters read at every step a log line reports: the trainer's (Megatron
+prints it on the last rank, so every host's output is read) or the peer benchmark harness's
+(benchmarks/peer_workers/harness.py, printed by rank 0)."""
 from __future__ import annotations
 
 import os
@@ -22,15 +23,18 @@ from benchmarks.cluster.hosts import REPO, ClusterSpec
 ITERATION = re.compile(r"^\s*iteration\s+(\d+)/\s*\d+ \|.*elapsed time per iteration \(ms\): ([0-9.]+)")
 COMM = re.compile(r"^\s*comm \(step (\d+), data-parallel group\) \|(.*)")
 COLLECTIVE_MIB = re.compile(r"\w+: \d+ calls, ([0-9.]+) MiB")
+# the peer harness's step line: "[system] step s/N: loss L, T s, ..." (the loss may print as nan or inf)
+HARNESS_STEP = re.compile(r"^\[[^\]]+\] step (\d+)/\d+: loss ([-+0-9.eE]+|[-+]?nan|[-+]?inf), ([0-9.]+) s\b")
 STOP_GRACE_S = 10.0
 
 
 @dataclass
 class Step:
     iteration: int
-    seconds: float  # the trainer's elapsed time per iteration
+    seconds: float  # the step time the line reports (the trainer: its elapsed time per iteration)
     links: LinkBytes  # what the kernel counted since the previous step's line (the first: since the start)
     engine_bytes: int | None = None  # the logging rank's collectives of the step, by the engine's accounting
+    loss: float | None = None  # the harness's line prints the global batch's mean loss; the trainer's: None
 
 
 @dataclass
@@ -44,7 +48,7 @@ class JobResult:
 
 @dataclass(frozen=True)
 class Summary:
-    """Medians over the steps after the first (which carries start-up traffic), per step."""
+    """Medians over the steps after the warm-up ones (the first carries start-up traffic), per step."""
     steps: int
     seconds: float
     inter_bytes: float
@@ -52,8 +56,18 @@ class Summary:
     engine_bytes: float | None
 
 
-def summarize(result: JobResult) -> Summary | None:
-    steps = result.steps[1:] or result.steps
+def parse_step(line: str) -> Step | None:
+    """A step's log line (the trainer's or the harness's) as a Step, its link bytes still to be filled in."""
+    if m := ITERATION.match(line):
+        return Step(int(m.group(1)), float(m.group(2)) / 1e3, LinkBytes(()))
+    if m := HARNESS_STEP.match(line):
+        return Step(int(m.group(1)), float(m.group(3)), LinkBytes(()), loss=float(m.group(2)))
+    return None
+
+
+def summarize(result: JobResult, skip: int = 1) -> Summary | None:
+    """Medians over the steps after the first ``skip`` (warm-up: start-up traffic, first-step tracing)."""
+    steps = result.steps[skip:] or result.steps
     if not steps:
         return None
     engine = [s.engine_bytes for s in steps if s.engine_bytes is not None]
@@ -63,15 +77,15 @@ def summarize(result: JobResult) -> Summary | None:
 
 
 def run_job(spec: ClusterSpec, argv: list[str], timeout_s: float, echo: Callable[[str], None] | None = None,
-            port: int = 29500) -> JobResult:
-    """Run ``argv`` (a script and its arguments) under torchrun on every host; ``echo`` gets the output lines
-    as they come."""
+            port: int = 29500, python: str = sys.executable) -> JobResult:
+    """Run ``argv`` (a script and its arguments, or ``-m module ...``) under ``python``'s torchrun on every
+    host; ``echo`` gets the output lines as they come."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "GLOO_SOCKET_IFNAME": "eth0"}  # the host's own address: peers on the host then go over its lo
     before = last = counters.read(spec.namespaces)
     procs: list[subprocess.Popen] = []
     for host in range(spec.hosts):
-        cmd = ["ip", "netns", "exec", spec.namespace(host), sys.executable, "-m", "torch.distributed.run",
+        cmd = ["ip", "netns", "exec", spec.namespace(host), python, "-m", "torch.distributed.run",
                "--nnodes", str(spec.hosts), "--node-rank", str(host), "--nproc-per-node", str(spec.ranks_per_host),
                "--master-addr", spec.address(0), "--master-port", str(port), *argv]
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -90,9 +104,10 @@ def run_job(spec: ClusterSpec, argv: list[str], timeout_s: float, echo: Callable
                 output.append(f"{spec.address(host)}: {line}")
                 if echo:
                     echo(output[-1])
-                if m := ITERATION.match(line):
+                if step := parse_step(line):
                     now = counters.read(spec.namespaces)
-                    steps.append(Step(int(m.group(1)), float(m.group(2)) / 1e3, now - last))
+                    step.links = now - last
+                    steps.append(step)
                     last = now
                 elif (m := COMM.match(line)) and steps and steps[-1].iteration == int(m.group(1)):
                     mib = sum(float(x) for x in COLLECTIVE_MIB.findall(m.group(2)))

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ptm_planner import profiles as planner_profiles
+
 GBIT = 1e9
 GBYTE = 1e9
 
@@ -28,23 +30,17 @@ class ClusterProfile:
     inter_latency_s: float
 
 
-PROFILES: dict[str, ClusterProfile] = {
-    # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16 dense (1,979 with sparsity); NVLink 4: 900 GB/s per GPU,
-    # both directions together (18 links x 50 GB/s), so 450 GB/s each way. NVIDIA DGX H100 user guide:
-    # 8 ConnectX-7 400 Gb/s InfiniBand NDR ports per node for the compute fabric, one per GPU. Latency:
-    # about 1 us through NVSwitch, about 3 us end to end over InfiniBand (1-5 us across published figures).
-    "h100": ClusterProfile(
-        name="h100", summary="8x H100 SXM per node, NVLink 4, 400 Gb/s InfiniBand per GPU",
-        gpu_flops=989e12, gpus_per_node=8, intra_bits_per_s=450 * GBYTE * 8, inter_bits_per_s=400 * GBIT,
-        intra_latency_s=1e-6, inter_latency_s=3e-6),
-    # NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense; NVLink 3: 600 GB/s per GPU both ways, 300 GB/s each
-    # way. Ethernet-class nodes such as Google Cloud's a2-highgpu-8g (8x A100 40GB) have 100 Gb/s per node,
-    # 12.5 Gb/s per GPU; about 10 us end to end over RoCE.
-    "a100-eth": ClusterProfile(
-        name="a100-eth", summary="8x A100-40G per node, NVLink 3, 100 Gb/s Ethernet (RoCE) per node",
-        gpu_flops=312e12, gpus_per_node=8, intra_bits_per_s=300 * GBYTE * 8, inter_bits_per_s=100 * GBIT / 8,
-        intra_latency_s=1e-6, inter_latency_s=10e-6),
-}
+def _from_planner(name: str) -> ClusterProfile:
+    """The planner's profile of that name (ptm_planner/profiles.py, where the figures and their sources live)."""
+    p = planner_profiles.PROFILES[name]
+    return ClusterProfile(name=name, summary=p.summary, gpu_flops=p.accelerator.peak_tflops * 1e12,
+                          gpus_per_node=p.gpus_per_node, intra_bits_per_s=p.intra.gbps * GBYTE * 8,
+                          inter_bits_per_s=p.inter.gbps * GBYTE * 8, intra_latency_s=p.intra.latency_us * 1e-6,
+                          inter_latency_s=p.inter.latency_us * 1e-6)
+
+
+# DGX H100 (400 Gb/s InfiniBand per GPU) and an Ethernet-class A100 node (100 Gb/s per node of 8).
+PROFILES: dict[str, ClusterProfile] = {name: _from_planner(name) for name in ("h100", "a100-eth")}
 
 
 @dataclass(frozen=True)

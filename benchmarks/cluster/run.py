@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from benchmarks.cluster import compute
-from benchmarks.cluster.hosts import ClusterError, ClusterSpec, EmulatedCluster, Shaping
+from benchmarks.cluster.hosts import ClusterError, ClusterSpec, EmulatedCluster, Shaping, parse_topologies
 from benchmarks.cluster.job import JobResult, run_job, summarize
 from benchmarks.cluster.profiles import PROFILES, EmulatedLinks, derive
 
@@ -61,6 +63,55 @@ def report(result: JobResult) -> list[str]:
     return lines
 
 
+def cluster_choice(parser: argparse.ArgumentParser,
+                   args: argparse.Namespace) -> tuple[list[tuple[int, int]], list[str]]:
+    """--topologies and --profiles checked: (hosts, ranks per host) pairs and profile names; a bad one ends the
+    script with argparse's one-line error."""
+    try:
+        topologies = parse_topologies(args.topologies)
+    except ValueError as e:
+        parser.error(f"--topologies {e}")
+    profiles = args.profiles.split(",")
+    if unknown := [p for p in profiles if p not in PROFILES]:
+        parser.error(f"--profiles: unknown {unknown}; known: {', '.join(PROFILES)}")
+    return topologies, profiles
+
+
+def shaped_clusters(topologies: list[tuple[int, int]], profiles: list[str], max_delay_ms: float,
+                    derivations: list[str]) -> Iterator[tuple[int, int, str, ClusterSpec]]:
+    """For each topology (hosts x ranks per host) the emulated hosts, up for all of its profiles, and for each
+    profile their links shaped to it: yields (hosts, ranks, profile, spec). Prints this machine's compute per rank
+    and every derivation, and appends the derivation lines to ``derivations``. Iterate it inside
+    ``exits_on_cluster_failure``: the hosts are gone when the loop ends, by an exception too."""
+    for hosts, ranks in topologies:
+        flops, per_rank = compute.flops_per_rank(hosts * ranks)
+        print(f"{hosts}x{ranks}: {hosts * ranks} ranks at once: {flops / 1e9:.2f} GFLOP/s fp32 per rank "
+              f"({', '.join(f'{f / 1e9:.2f}' for f in per_rank)})", flush=True)
+        spec = ClusterSpec(hosts, ranks)
+        with EmulatedCluster(spec) as cluster:
+            for name in profiles:
+                links = derive(PROFILES[name], flops, ranks, max_delay_ms / 1e3)
+                cluster.shape(shaping_for(links))
+                line = f"{hosts}x{ranks}: {links.line(cluster.delays_applied)}"
+                print(line, flush=True)
+                derivations.append(f"- {line}")
+                yield hosts, ranks, name, spec
+
+
+@contextmanager
+def exits_on_cluster_failure(prog: str):
+    """A ClusterError or an interrupt (Ctrl-C, SIGTERM) ends ``prog`` with one line and exit code 1 or 130; the
+    hosts are gone by then (their context has exited)."""
+    try:
+        yield
+    except ClusterError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; no host is left", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
 def stop_on_sigterm() -> None:
     """SIGTERM unwinds like Ctrl-C, through the jobs' and the hosts' teardown."""
     def interrupt(signum, frame):
@@ -87,19 +138,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--hosts and --ranks-per-host must be at least 1")
     stop_on_sigterm()
     spec = ClusterSpec(args.hosts, args.ranks_per_host)
-    try:
+    with exits_on_cluster_failure("benchmarks.cluster.run"):
         links = measured_links(args.profile, args.hosts, args.ranks_per_host, args.flops_per_rank,
                                args.max_delay_ms)
         with EmulatedCluster(spec, shaping_for(links), keep_up=args.keep_up) as cluster:
             if links is not None:
                 print(links.line(cluster.delays_applied), flush=True)
             result = run_job(spec, script, args.timeout_s, echo=print)
-    except ClusterError as e:
-        print(f"benchmarks.cluster.run: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("benchmarks.cluster.run: interrupted; no host is left", file=sys.stderr)
-        return 130
     if links is not None:
         print(links.line(cluster.delays_applied))
     print("\n".join(report(result)))

@@ -230,6 +230,9 @@ class BenchSpec:
     # The synthetic tokens' law (with mock_data_vocab 0): zipf (a Zipf-like unigram law, learnable) or uniform
     # (every id equally likely: a mixture of experts' router then starts near an even load).
     token_law: str = "zipf"
+    # FSDP2 only: 0 shards over every rank; N > 0 is HSDP, a 2-D mesh (replicate = world / N, shard = N) that
+    # shards inside blocks of N consecutive ranks (a host's, under torchrun) and all-reduces across them.
+    hsdp_shard_size: int = 0
 
     @classmethod
     def load(cls, path: str) -> "BenchSpec":
