@@ -36,6 +36,7 @@ from ptm_planner.activations import ActivationLayout
 from ptm_planner.all_to_all import AllToAll, all_to_all
 from ptm_planner.family import Plan, growth, largest, plan
 from ptm_planner.longest_seq import longest_seq, seq_step
+from ptm_planner.measure import local_profile, local_speeds
 from ptm_planner.moe_args import add_expert_parallel_arg, add_moe_args, moe_megatron_args
 from ptm_planner.plan import (
     DEFAULT_VOCAB_SIZE,
@@ -97,15 +98,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--nvme-path", default=os.path.join(tempfile.gettempdir(), "zero_cache_nvme"))
     g.add_argument("--nvme-free-gib", type=finite, default=None, help="free disk under --nvme-path")
     g.add_argument("--cpus", type=int, default=None, help="CPU cores per node (SSD I/O threads)")
-    g = p.add_argument_group("step prediction and choice by speed (--device cuda; from --profile, default "
-                             f"{DEFAULT_PROFILE}, each overridden by its flag)")
+    g = p.add_argument_group("step prediction and choice by speed (--device cuda: from --profile, default the GPU "
+                             f"here or {DEFAULT_PROFILE}, each overridden by its flag; a CPU plan: --measure)")
     g.add_argument("--gradient-accumulation-steps", type=int, default=1, help="micro-batches per step")
-    g.add_argument("--device-tflops", type=finite, default=None, help="dense bf16 peak TFLOP/s per GPU")
+    g.add_argument("--device-tflops", type=finite, default=None,
+                   help="TFLOP/s a GPU reaches on large GEMMs (benchmarks/matmul_peak.py measures it); default: the "
+                        "profile's peak x its GEMM share")
     g.add_argument("--pcie-gbps", type=finite, default=None, help="host <-> GPU GB/s, each direction")
     g.add_argument("--device-adam-elems-per-s", type=finite, default=None)
     g.add_argument("--host-adam-elems-per-s", default=None,
                    help="fused Adam elements/s of one process's host cores, or 'measure' (here, 1 thread per process)")
     g.add_argument("--ssd-gbps", type=finite, default=None, help="SSD GB/s per process, reads and writes")
+    g.add_argument("--measure", action="store_true",
+                   help="on a CPU plan: measure this machine (GEMMs, memory, the link between ranks, host Adam, the "
+                        "disk; ptm_planner/measure.py, about 10 s), predict the step and choose by speed")
     g.add_argument("--explain", action="store_true",
                    help="print the chosen configuration's predicted step part by part, and the runners-up")
     g = p.add_argument_group("output")
@@ -377,11 +383,19 @@ def local_gpu_profile() -> str | None:
 
 
 def cluster_from_args(args: argparse.Namespace, hardware: Hardware) -> tuple[ClusterProfile, Speeds] | None:
-    """The step model's cluster and the offload lanes' speeds (None on a CPU machine): --profile (default
-    DEFAULT_PROFILE, said in the plan), each figure overridden by its flag. --device-tflops is the large-GEMM
-    rate (the profile's peak x its GEMM share)."""
+    """The step model's cluster and the offload lanes' speeds: a CPU plan's measured here with --measure (else
+    None); a GPU plan's from --profile (else the GPU here, else DEFAULT_PROFILE; the plan says which), each figure
+    overridden by its flag. --device-tflops is the large-GEMM rate (the profile's peak x its GEMM share)."""
     if hardware.device != "cuda":
-        return None
+        if not args.measure:
+            return None
+        threads = max(1, hardware.cpus // args.nproc_per_node)
+        profile = local_profile(args.nproc_per_node, threads, args.nvme_path)
+        for key in ("device_tflops", "pcie_gbps", "device_adam_elems_per_s", "ssd_gbps", "host_adam_elems_per_s"):
+            args.hardware_sources[key] = "measured here"
+        return profile, local_speeds(profile)
+    if args.measure:
+        raise ValueError("--measure measures this machine's CPU ranks; for GPUs give --profile NAME (--list-profiles)")
     name = args.profile or local_gpu_profile() or DEFAULT_PROFILE
     profile = get_profile(name)
     sources = args.hardware_sources

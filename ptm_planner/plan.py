@@ -10,18 +10,19 @@ tier are what ``engine.memory_report()`` reports. Memory that is not model state
 per-process runtime overhead. A mixture of experts plans the same way: its experts are a param group of
 their own, sharded over the expert-data-parallel group (stages.py).
 
-Choice: on an accelerator, every configuration below that fits is a candidate and the one with the fewest
-predicted seconds per token wins (step_model.py; ``Planner.ranked``): per offload mode, activation choice and
-layout, the first of the largest pages, sub-groups and kept-gathered arena that fits. Without an accelerator's
-profile, the first that fits in this order, fastest first by rule: offload none; optimizer and parameters in
-host memory; the same with what the host cannot hold spilled to SSD; everything on SSD. Within each: one
-transformer layer per chunk, then one matrix per chunk (less gathered memory); the requested micro-batch, then
-full recompute, then halved micro-batches; the largest sub_group_size whose SSD staging fits; on an
-accelerator, an arena that keeps every gathered chunk from the forward to the backward, then one of two chunks;
-and the largest prefetch_cache_sub_group_rate (share of optimizer sub-groups kept on the device) that fits.
-When a data-parallel group spans nodes (more than one member on each), each choice of activations tries the
-layouts that send fewer bytes between nodes first (LAYOUTS): shard groups of one node's ranks (MiCS, more state
-per rank), then secondary shards in the node (hpZ, a 1/node copy of the gathered parameters), then flat.
+Choice: with a profile (every GPU plan; a CPU plan with --measure), every configuration below that fits is a
+candidate and the one with the fewest predicted seconds per token wins (step_model.py; ``Planner.ranked``): per
+offload mode, activation choice and layout, the first of the largest pages, sub-groups and kept-gathered arena
+that fits. Without a profile, the first that fits in this order, fastest first by rule: offload none; optimizer
+and parameters in host memory; the same with what the host cannot hold spilled to SSD; everything on SSD.
+Within each: one transformer layer per chunk, then one matrix per chunk (less gathered memory); the requested
+micro-batch, then full recompute, then halved micro-batches; the largest sub_group_size whose SSD staging fits;
+on an accelerator, an arena that keeps every gathered chunk from the forward to the backward, then the one of
+max_contigous_params_size (arena_numel); and the largest prefetch_cache_sub_group_rate (share of optimizer
+sub-groups kept on the device) that fits. When a data-parallel group spans nodes (more than one member on each),
+each choice of activations tries the layouts that send fewer bytes between nodes first (LAYOUTS): shard groups of
+one node's ranks (MiCS, more state per rank), then secondary shards in the node (hpZ, a 1/node copy of the
+gathered parameters), then flat.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import copy
 import dataclasses
 import math
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -135,10 +137,16 @@ def persistence_threshold(model_cfg: TransformerConfig) -> int:
 
 
 def arena_numel(partitioned: list[int], element_size: int, keep_gathered: bool = False) -> int:
-    """max_contigous_params_size: room for the chunk in use and the next one prefetched (two of the largest),
-    or for every partitioned chunk when they take less or are all kept gathered."""
+    """max_contigous_params_size: room for what lives at once in the backward, the embedding's chunk (its gradient
+    is complete only at the end, so it stays in use) beside the layer in use and the next one (two of the layers'
+    chunks, the most common size); at least two of the largest chunks; all of them when they take less or are all
+    kept gathered. (A 4-layer GPT whose embedding chunk is a third of a layer's ran out of room with two layers.)"""
     regions = [region_numel(n, element_size) for n in partitioned]
-    return sum(regions) if keep_gathered else min(2 * max(regions, default=0), sum(regions))
+    if keep_gathered or not regions:
+        return sum(regions)
+    layer = max(Counter(regions).most_common(), key=lambda kv: (kv[1], kv[0]))[0]
+    other = max((r for r in regions if r != layer), default=0)
+    return min(max(2 * max(regions), other + 2 * layer), sum(regions))
 
 
 def ds_config(request: Request, option: Option, arena: int, budgets: dict[str, int] | None) -> dict:
@@ -473,8 +481,8 @@ class Planner:
                         ssd_elems=elems[NVME], ssd_bytes=2 * sum(n for (_, t), n in by.items() if t == NVME))
 
     def breakdown(self, ev: Evaluation) -> StepBreakdown | None:
-        """The offload lanes of the slowest pipeline stage (None without an accelerator's speeds)."""
-        if self.request.speeds is None or self.cpu:
+        """The offload lanes of the slowest pipeline stage (None without speeds: a CPU plan without --measure)."""
+        if self.request.speeds is None:
             return None
         return max((predict(self.step_work(ev, i), self.request.speeds) for i in range(len(ev.stages))),
                    key=lambda b: b.step_s)
@@ -497,14 +505,15 @@ class Planner:
         recompute = "full" if opt.recompute else layout.granularity
         zero = DataParallel("zero3", layout=opt.layout, keep_gathered=opt.keep_gathered)
         return Workload(ModelShape.from_config(r.model), parallel, opt.micro_batch_size, micro_batches, recompute,
-                        attention="flash", dtype_bytes=r.dtype.itemsize, data_parallel=zero,
+                        attention="flash" if not self.cpu or r.model.attention_dropout == 0 else "materialized",
+                        dtype_bytes=r.dtype.itemsize, data_parallel=zero,
                         stage_params=max(st.numel for st in ev.stages),
                         active_params=r.model.num_parameters(active=True))
 
     def predict(self, ev: Evaluation) -> StepPrediction | None:
-        """The predicted step of ``ev`` on the request's profile (None without one)."""
+        """The predicted step of ``ev`` on the request's profile (None without one: a CPU plan without --measure)."""
         profile = self.request.profile
-        if profile is None or self.cpu:
+        if profile is None:
             return None
         offload = self.breakdown(ev) if ev.option.offload != "none" else None
         return predict_step(self.workload(ev), profile.with_nodes_of(self.request.mesh.nproc_per_node), offload)
@@ -550,10 +559,10 @@ class Planner:
                 out.append((mb, False))
 
     def search(self) -> Evaluation:
-        """The fastest predicted option that fits (with an accelerator's profile), else the first that fits in
-        the order of the rules; when none fits, the leanest option's evaluation (its failures say what is
+        """The fastest predicted option that fits (with a profile: a GPU plan's, or --measure's), else the first
+        that fits in the order of the rules; when none fits, the leanest option's evaluation (its failures say what is
         missing)."""
-        if self.request.profile is not None and not self.cpu:
+        if self.request.profile is not None:
             ranked = self.ranked()
             return ranked[0][1] if ranked else self.evaluate(self.leanest())
         return self.first_fit()

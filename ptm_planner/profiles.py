@@ -54,6 +54,12 @@ class ClusterProfile:
     nvme_gbps: float  # per node, reads and writes together
     nvme_free_gib: float  # per node
     source: str
+    # Collectives run beside the compute (NCCL on streams of their own); False where they take the cores the
+    # compute uses (ranks of a CPU machine), so nothing hides under it.
+    overlaps_comm: bool = True
+    # The step-time model's validated error on this kind of profile (docs/planner.md#validation): the held-out rows of
+    # a published A100 table for the named GPU clusters, the measured-here table for a measured CPU profile.
+    expected_error: float = 0.08
 
     @property
     def device_adam_elems_per_s(self) -> float:
@@ -67,6 +73,7 @@ class ClusterProfile:
 
 
 ADAM_BYTES_PER_ELEMENT = 30
+MEASURED_HERE_ERROR = 0.29  # benchmarks/planner_validation.py's largest error
 
 # Datasheets: A100 SXM4 312 TFLOP/s bf16 dense, 40 GB HBM2 at 1,555 GB/s, 80 GB HBM2e at 2,039 GB/s;
 # H100 SXM5 989 TFLOP/s, 80 GB HBM3 at 3.35 TB/s; H200 SXM 989 TFLOP/s, 141 GB HBM3e at 4.8 TB/s.

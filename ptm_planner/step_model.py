@@ -31,18 +31,15 @@ The parts are the step's own (docs/planner.md#step-time-model):
   sub-groups, copies beside compute) when states live on the host or SSD.
 - A fixed host time per step (data loading, logging).
 
-Every prediction carries the error its validation measured (EXPECTED_ERROR; benchmarks/planner_paper_table.py).
+Every prediction carries the error its profile's validation measured (ClusterProfile.expected_error:
+benchmarks/planner_paper_table.py for the named GPU clusters, benchmarks/planner_validation.py for a measured one).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ptm_planner.profiles import GB, ClusterProfile
 from ptm_planner.step_time import StepBreakdown
-
-# Validated error of a prediction, from the held-out rows of Narayanan et al. SC 2021 Table 1
-# (benchmarks/planner_paper_table.py; benchmarks/RESULTS.md).
-EXPECTED_ERROR = 0.08
 
 # Elementwise element accesses per token and layer in the forward, in units of the hidden width h (norms 2 x 2,
 # the two fused bias + dropout + residual adds 2 x 3.5) and of the ffn width f (bias + activation: read and
@@ -133,7 +130,7 @@ class DataParallel:
     quantized_weights: bool = False  # zero3: int8 weight gathers (qwZ)
     quantized_gradient_bits: int = 0  # zero3: 4 or 8 bits across nodes (qgZ); 0 exact
     keep_gathered: bool = False  # zero3: the forward's gathers serve the backward (one gather per step)
-    block: int = 2048  # quantization block: one fp32 scale per block
+    block: int = 256  # quantization_block_size (the engine's default): one fp32 scale per block
 
 
 @dataclass(frozen=True)
@@ -189,9 +186,8 @@ class StepPrediction:
     gpus: int
     model_flops: float  # 6 x active parameters x tokens + attention (causal), no recompute: the MFU convention
     peak_flops: float
-    expected_error: float = EXPECTED_ERROR
+    expected_error: float
     offload: StepBreakdown | None = None
-    _total: float = field(default=0.0, init=False)
 
     @property
     def micro_batch_s(self) -> float:
@@ -344,8 +340,9 @@ def predict(w: Workload, profile: ClusterProfile, offload: StepBreakdown | None 
         kv = 2 * t * m.kv_width / tp * e  # this rank's keys and values
         if p.cp_comm_type == "p2p":
             ring = (p.cp - 1) * p2p_s(kv, cp_link)
-            fwd_x = max(0.0, ring - core_fwd)
-            bwd_x = max(0.0, 2 * ring - core_bwd)
+            hide = profile.overlaps_comm
+            fwd_x = max(0.0, ring - core_fwd) if hide else ring
+            bwd_x = max(0.0, 2 * ring - core_bwd) if hide else 2 * ring
             cp_comm = layers * (fwd_x * (2 if w.recompute else 1) + bwd_x)
         elif p.cp_comm_type == "a2a":
             qkv_out = t * (2 * m.q_width + 2 * m.kv_width) / tp * e * p.cp
@@ -383,14 +380,15 @@ def predict(w: Workload, profile: ClusterProfile, offload: StepBreakdown | None 
     dpc = w.data_parallel
     if dpc.kind == "ddp":
         reduce = all_reduce_s(params * dpc.grad_bytes, shard, dp_link)
-        window = compute * 2 / 3 if dpc.overlap else 0.0  # the last micro-batch's backward
+        window = compute * 2 / 3 if dpc.overlap and profile.overlaps_comm else 0.0  # the last micro-batch's backward
         step_terms.append(Term("data-parallel gradient all-reduce (exposed)", max(0.0, reduce - window),
                                f"{reduce * 1e3:.1f} ms over DP {shard}, "
                                f"{'network' if dp_link.spans_nodes else 'NVLink'}"))
         opt_elems = params
     elif dpc.kind == "zero3":
         per_mb, per_step = zero3_comm_s(params, shard, e, dpc, w.micro_batches, profile, p.tp)
-        exposed = max(0.0, per_mb - compute) * w.micro_batches + per_step
+        beside = compute if profile.overlaps_comm else 0.0
+        exposed = max(0.0, per_mb - beside) * w.micro_batches + per_step
         step_terms.append(Term("ZeRO-3 gathers and reductions (exposed)", exposed,
                                f"{per_mb * 1e3:.1f} ms a micro-batch beside {compute * 1e3:.1f} ms of compute, "
                                f"{dpc.layout}"))
@@ -403,6 +401,8 @@ def predict(w: Workload, profile: ClusterProfile, offload: StepBreakdown | None 
     else:
         pipeline = (w.micro_batches + (p.pp - 1) / p.virtual_stages) * sum(x.seconds for x in micro)
         copies = max(offload.h2d_s, offload.d2h_s)
+        if not profile.overlaps_comm:
+            copies, pipeline = offload.h2d_s + offload.d2h_s, 0.0
         step_terms.append(Term("host copies beyond compute", max(0.0, copies - pipeline),
                                f"to the device {offload.h2d_s * 1e3:.1f} ms, to the host {offload.d2h_s * 1e3:.1f} ms"))
         step_terms.append(Term("optimizer (device Adam beside the host lane)", offload.optimizer_s,
@@ -417,7 +417,7 @@ def predict(w: Workload, profile: ClusterProfile, offload: StepBreakdown | None 
     attn_model = 4 * m.seq * m.q_width * m.layers / 2 * 3  # per token, causal, forward + backward
     model_flops = (6 * active + attn_model) * w.tokens
     return StepPrediction(micro, step_terms, w.micro_batches, (p.pp - 1) / p.virtual_stages, w.tokens, p.gpus,
-                          model_flops, profile.accelerator.peak_tflops * 1e12, offload=offload)
+                          model_flops, profile.accelerator.peak_tflops * 1e12, profile.expected_error, offload=offload)
 
 
 def zero3_comm_s(params: int, shard: int, e: int, dpc: DataParallel, micro_batches: int,

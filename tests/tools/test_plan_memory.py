@@ -385,3 +385,15 @@ def test_multi_node_plan_chooses_the_layout_that_keeps_bytes_in_the_node(capsys)
     code, one = _plan_json(node[:-6] + ["--nnodes", "1", "--host-memory-gib", "1000", "--nvme-free-gib", "1000",
                                         "--device-memory-gib", "16"], capsys)
     assert code == EXIT_FITS and one["option"]["layout"] == "flat"
+
+
+@pytest.mark.multiprocess  # the link between two ranks is measured with two processes
+def test_measured_cpu_plan_predicts_its_step_and_chooses_by_it(capsys):
+    """--measure: this machine's ranks measured, the step predicted part by part and the fastest candidate chosen;
+    every speed says it was measured here."""
+    code, plan = _plan_json(["--size", "125m", "--measure"] + BOX, capsys)
+    assert code == EXIT_FITS and plan["profile"] == "local"
+    pred = plan["step_prediction"]
+    assert pred["step_s"] > 0 and pred["micro_batch"]["GEMMs"] > 0
+    assert all(pred["tokens_per_s"] >= r["step_prediction"]["tokens_per_s"] for r in plan["runners_up"])
+    assert plan["hardware_sources"]["device_tflops"] == "measured here"
