@@ -1,7 +1,7 @@
 """The planner's step-time model against steps measured here: each configuration trains with pretrain_gpt.py on this
 machine, and the model predicts it with this machine's profile, measured first (ptm_planner/measure.py).
 
-    python -m benchmarks.planner_validation --out benchmarks/results/planner_validation.md
+    python -m benchmarks.planner_validation --rounds 2 --out benchmarks/results/planner_validation.md
     python -m benchmarks.planner_validation --configs ddp,zero3,tp2 --steps 4    # a few of them
 
 Every configuration is one GPT (4 layers, hidden 512, 8 heads, seq 256, vocab 2048, fp32, no dropout: torch's
