@@ -37,6 +37,7 @@ from ptm_planner.all_to_all import AllToAll, all_to_all
 from ptm_planner.family import Plan, growth, largest, plan
 from ptm_planner.longest_seq import longest_seq, seq_step
 from ptm_planner.measure import local_profile, local_speeds
+from ptm_planner.mesh_search import fastest_split
 from ptm_planner.moe_args import add_expert_parallel_arg, add_moe_args, moe_megatron_args
 from ptm_planner.plan import (
     DEFAULT_VOCAB_SIZE,
@@ -112,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--measure", action="store_true",
                    help="on a CPU plan: measure this machine (GEMMs, memory, the link between ranks, host Adam, the "
                         "disk; ptm_planner/measure.py, about 10 s), predict the step and choose by speed")
+    g.add_argument("--search-parallel", action="store_true",
+                   help="also choose --tensor-model-parallel-size and --pipeline-model-parallel-size: every split of "
+                        "the ranks is planned and the fastest predicted wins (ptm_planner/mesh_search.py)")
     g.add_argument("--explain", action="store_true",
                    help="print the chosen configuration's predicted step part by part, and the runners-up")
     g = p.add_argument_group("output")
@@ -814,6 +818,8 @@ def table(p: Plan, sources: dict[str, str]) -> str:
                    f"{seq_step(r.mesh, r.layout)} does not)")
     out += moe_lines(p)
     out += prediction_lines(p, sources.get("explain", False))
+    if sources.get("splits"):
+        out += [""] + sources["splits"]
     out += ["", summary(p)]
     return "\n".join(out)
 
@@ -828,6 +834,21 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FITS
     try:
         request, args = request_from_args(argv)
+        split_lines = []
+        if args.search_parallel:
+            if args.largest or args.longest_seq:
+                raise ValueError("--search-parallel plans the given model; ask for --largest or --longest-seq "
+                                 "without it")
+            ranked = fastest_split(request, args.vocab_size)
+            if not ranked:
+                print("plan_memory.py: no tensor x pipeline split of these ranks fits; drop --search-parallel to see "
+                      "what the given split needs", file=sys.stderr)
+                return EXIT_DOES_NOT_FIT
+            request = ranked[0][0]
+            best = ranked[0][1].step_s / ranked[0][1].tokens
+            split_lines = ["splits of the ranks (--search-parallel), fastest predicted first:"] + [
+                f"  TP {r.mesh.tp} PP {r.mesh.pp} DP {r.mesh.dp}: {pred.tokens_per_s:,.0f} tokens/s, "
+                f"{pred.step_s / pred.tokens / best:.2f}x the chosen's time per token" for r, pred in ranked]
         found = None
         if args.largest:
             found = largest(request, args.largest_by)
@@ -862,6 +883,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"writable directory", file=sys.stderr)
             return EXIT_BAD_INPUT
     sources = {"seq_length": args.seq_length_from, "micro_batch_size": args.micro_batch_size_from,
-               "hardware": args.hardware_sources, "explain": args.explain}
+               "hardware": args.hardware_sources, "explain": args.explain, "splits": split_lines}
     print(json.dumps(to_json(result, sources), indent=2) if args.json else table(result, sources))
     return EXIT_FITS if result.fits else EXIT_DOES_NOT_FIT

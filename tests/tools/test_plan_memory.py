@@ -397,3 +397,19 @@ def test_measured_cpu_plan_predicts_its_step_and_chooses_by_it(capsys):
     assert pred["step_s"] > 0 and pred["micro_batch"]["GEMMs"] > 0
     assert all(pred["tokens_per_s"] >= r["step_prediction"]["tokens_per_s"] for r in plan["runners_up"])
     assert plan["hardware_sources"]["device_tflops"] == "measured here"
+
+
+def test_search_parallel_takes_the_fastest_split_and_writes_it(capsys):
+    """--search-parallel plans every TP x PP split of 4 nodes of 8 at the same global batch: on 100 Gb/s Ethernet
+    the pipeline crosses the nodes and the data-parallel group (ZeRO-3's traffic) stays inside one, and the plan
+    writes the split it chose. A CPU plan has no speeds to rank by without --measure (one line, exit 2)."""
+    node = ["--size", "1.3b", "--bf16", "--profile", "a100-eth", "--device-memory-gib", "16", "--nnodes", "4",
+            "--gradient-accumulation-steps", "2", "--search-parallel"]
+    code, plan = _plan_json(node, capsys)
+    mesh = plan["mesh"]
+    assert code == EXIT_FITS and mesh["pp"] > 1 and mesh["tp"] * mesh["data_parallel_size"] <= 8
+    args = plan["megatron_args"]
+    assert args[args.index("--pipeline-model-parallel-size") + 1] == str(mesh["pp"])
+    capsys.readouterr()
+    assert main(["--size", "125m", "--search-parallel"] + BOX) == EXIT_BAD_INPUT
+    assert "--search-parallel ranks splits by predicted speed" in capsys.readouterr().err
