@@ -9,6 +9,10 @@ Ranks are forked from a ``forkserver`` that imported torch and the project once:
 rank would spend seconds of CPU importing them on every call. The server forks before any tensor work, so
 ranks start clean; each rank takes the caller's environment and working directory and runs its exit handlers,
 as a spawned one would.
+
+The rendezvous store is served by the calling process on a port the kernel gives it and keeps until the call
+ends: a port picked free and bound later by rank 0 could be taken in between by another test running beside
+this one, whose ranks would then meet ours in one store.
 """
 from __future__ import annotations
 
@@ -17,7 +21,6 @@ import datetime
 import os
 import pickle
 import queue
-import socket
 import sys
 import traceback
 
@@ -28,12 +31,6 @@ import torch.multiprocessing as mp
 # torchrun, of the interpreter running the tests: a venv made over a GPU machine's own torch
 # (--system-site-packages) has no bin/torchrun of its own.
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "zero_cache", "megatron.training.training"]
@@ -47,8 +44,9 @@ def _worker(rank, world_size, port, backend, timeout, env, cwd, fn, args, kwargs
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout))
+        wait = datetime.timedelta(seconds=timeout)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=wait)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=wait)
         out = fn(rank, world_size, *args, **kwargs)
         # Plain pickle copies tensor data into the message; torch's queue would share memory
         # that disappears when this process exits before the parent reads it.
@@ -61,28 +59,15 @@ def _worker(rank, world_size, port, backend, timeout, env, cwd, fn, args, kwargs
         atexit._run_exitfuncs()  # a forked process ends without them; the code under test relies on them
 
 
-class _PortTaken(Exception):
-    """Rank 0's store found its port taken between ``free_port`` and the bind (another test took it)."""
-
-
 def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, backend: str = "gloo", **kwargs) -> list:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank. A port
-    taken by another test before the ranks bound it is tried again on a new one (nothing of ``fn`` ran yet)."""
-    for _ in range(3):
-        try:
-            return _run_once(fn, world_size, args, kwargs, timeout, backend)
-        except _PortTaken:
-            pass
-    raise RuntimeError("the rendezvous port was taken three times in a row by other processes")
-
-
-def _run_once(fn, world_size: int, args, kwargs, timeout: float, backend: str) -> list:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, timeout, dict(os.environ), os.getcwd(),
-                                                            fn, args, kwargs, results),
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    procs = [ctx.Process(target=_worker, args=(r, world_size, store.port, backend, timeout, dict(os.environ),
+                                               os.getcwd(), fn, args, kwargs, results),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
@@ -96,8 +81,6 @@ def _run_once(fn, world_size: int, args, kwargs, timeout: float, backend: str) -
                 raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(outs))} did not finish "
                                    f"within {deadline:.0f}s") from None
             if status == "error":
-                if "EADDRINUSE" in payload and "init_process_group" in payload:
-                    raise _PortTaken
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
             outs[rank] = pickle.loads(payload)
     finally:
@@ -105,4 +88,5 @@ def _run_once(fn, world_size: int, args, kwargs, timeout: float, backend: str) -
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+        del store
     return [outs[r] for r in range(world_size)]
