@@ -19,6 +19,7 @@ from megatron.training.batch_schedule import BatchSchedule
 from megatron.training.checkpoint.config import CheckpointConfig
 from megatron.training.housekeeping import HousekeepingConfig
 from megatron.training.lr_scheduler import SchedulerConfig
+from megatron.training.stragglers import StragglerConfig
 from megatron.training.train_log import LogConfig
 from zero_cache.config import ZeroCacheConfig
 
@@ -109,7 +110,7 @@ class ParallelConfig:
     micro_batch_size: int  # samples per forward/backward on one data-parallel rank
     global_batch_size: int  # samples per optimizer step, over all data-parallel ranks
     distributed_backend: str | None  # nccl | gloo; None: nccl when CUDA is available, else gloo
-    distributed_timeout_minutes: float  # how long a collective may wait for its peers
+    distributed_timeout_minutes: float  # how long a collective may wait for its peers (start-up, checkpoints)
     # --rampup-batch-size / --step-batch-size-schedule; None: every step takes global_batch_size samples
     batch_schedule: BatchSchedule | None = None
     expert_model_parallel_size: int = 1  # ranks that split the experts, inside the data-parallel group
@@ -117,6 +118,7 @@ class ParallelConfig:
     cp_comm_type: str = "p2p"  # context-parallel attention: p2p (ring) | a2a (all-to-all, Ulysses)
     sequence_parallel: bool = False  # TP ranks split the sequence outside the tensor-parallel regions
     virtual_pipeline_model_parallel_size: int | None = None  # model chunks per stage (interleaved 1F1B); None: 1
+    train_timeout_seconds: float | None = None  # the same after the first step; None: distributed_timeout_minutes
 
     @property
     def virtual_stages(self) -> int:
@@ -129,6 +131,9 @@ class ParallelConfig:
                              "parallelism); launch more ranks or choose a divisor")
         if self.micro_batch_size <= 0:
             raise ValueError(f"--micro-batch-size must be > 0 (got {self.micro_batch_size})")
+        if self.distributed_timeout_minutes <= 0 or (self.train_timeout_seconds or 0) < 0:
+            raise ValueError(f"--distributed-timeout-minutes must be > 0 and --train-timeout-seconds >= 0 (got "
+                             f"{self.distributed_timeout_minutes:g}, {self.train_timeout_seconds or 0:g})")
         per_step = self.micro_batch_size * self.data_parallel_size
         if self.global_batch_size % per_step:
             raise ValueError(
@@ -228,6 +233,7 @@ class Config:
     deepspeed: DeepSpeedFlags
     log: LogConfig = LogConfig()
     housekeeping: HousekeepingConfig = HousekeepingConfig()
+    stragglers: StragglerConfig | None = None  # --log-straggler; None: no straggler check
     # The zero_cache engine's config (zero_config.py): --deepspeed's JSON merged with the flags and parsed once,
     # or ZeRO-1 for --use-distributed-optimizer; None: Megatron DDP (also --deepspeed with ZeRO stage 0)
     zero_cache: ZeroCacheConfig | None = None

@@ -5,9 +5,12 @@
   before it exists, as for bad flags, rank 0 prints), and the others exit a moment later, so torchrun cannot
   stop it before its line is out; stopped by torchrun meanwhile (SIGTERM), they too exit 2, silently.
 - A collective that fails because another rank died or stopped answering:
-  ``rank R: stopping: another rank failed (<exception type>)``, exit code 1, a moment after the failing rank
-  (so torchrun and the launcher see that one first). Its own output holds the cause; a traceback here would only
-  bury it.
+  ``rank R: stopping: another rank failed (<exception type>[: <collective> at <file:line>[ timed out]])``, exit
+  code 1, a moment after the failing rank (so torchrun and the launcher see that one first). Its own output
+  holds the cause; a traceback here would only bury it. When no rank failed but one went silent (frozen, or its
+  host lost power or its link), the collective times out and the line names the silent ranks, whose heartbeat
+  stopped (heartbeat.py): ``rank R: stopping: rank S stopped answering (<type>: <collective> at <file:line>
+  timed out; ...)``. That line is the cause the launcher reports.
 - Anything else is a bug: its traceback is printed as usual.
 
 ``ptm-launch`` recognises these lines (ptm_launch/node_output.py): it shows the first cause once and exits with
@@ -23,6 +26,8 @@ import signal
 import sys
 import threading
 import time
+import traceback
+from pathlib import Path
 from typing import Callable, NoReturn, TypeVar
 
 import torch.distributed as dist
@@ -31,6 +36,7 @@ from megatron.core.parallel_state import ParallelConfigError
 from megatron.data.errors import DataError, OtherRankDataError
 from megatron.training.arguments import ConfigError
 from megatron.training.attention_backend import AttentionBackendError
+from megatron.training.heartbeat import BEAT_S, silent_ranks
 from megatron.training.lr_scheduler import SchedulerMismatchError
 from megatron.training.run_log import LogFileError
 from zero_cache import SSDTierError, ZeroConfigError
@@ -47,6 +53,8 @@ _PEER_LOST_RE = re.compile(
     r"connection (closed|reset) by peer|broken pipe|connection refused|socket timeout|timed out|timeout|"
     r"communicator was aborted|ncclRemoteError|remote process exited|peer .* (closed|gone)|failed to recv|"
     r"failed to send|read error|unexpected eof", re.IGNORECASE)
+_TIMED_OUT_RE = re.compile(r"timed out|timeout", re.IGNORECASE)
+_REPO = str(Path(__file__).resolve().parents[2]) + os.sep
 _REPORTED_KEY = "ptm_errors/first_reporter"
 _STORE_TIMEOUT = datetime.timedelta(seconds=10)
 # torchrun names the first rank it sees exit as the root cause, with a resolution of its 0.1 s poll (and
@@ -70,6 +78,20 @@ def is_other_rank_failure(exc: BaseException) -> bool:
     if dist.is_available() and isinstance(exc, (dist.DistNetworkError, dist.DistStoreError)):
         return True
     return isinstance(exc, (RuntimeError, ConnectionError, TimeoutError)) and bool(_PEER_LOST_RE.search(str(exc)))
+
+
+def waited_in(exc: BaseException) -> str:
+    """``<collective> at <file:line>``: the innermost torch.distributed call in ``exc``'s traceback and the
+    project's line that made it; an asynchronous collective fails in its handle's ``wait()``, called from the
+    project (``wait at <file:line>``). ``""`` when the traceback shows neither."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    torch_calls = [f.name for f in frames if f"torch{os.sep}distributed{os.sep}" in f.filename
+                   and not f.name.startswith("_") and f.name != "wrapper"]
+    ours = [f for f in frames if f.filename.startswith(_REPO) and f"{os.sep}site-packages{os.sep}" not in f.filename]
+    site = f" at {ours[-1].filename[len(_REPO):]}:{ours[-1].lineno}" if ours else ""
+    if torch_calls:
+        return torch_calls[-1] + site
+    return f"wait{site}" if ours and ".wait(" in (ours[-1].line or "") else ""
 
 
 def one_line(exc: BaseException) -> str:
@@ -167,7 +189,16 @@ def run_trainer(train: Callable[[], T], prog: str = "pretrain_gpt.py") -> T:
     except Exception as exc:
         if not is_other_rank_failure(exc):
             raise
-        _print(f"rank {rank()}: stopping: another rank failed ({type(exc).__name__})")
+        where = waited_in(exc)
+        timed_out = bool(_TIMED_OUT_RE.search(str(exc)))
+        what = f"{type(exc).__name__}{': ' + where if where else ''}{' timed out' if where and timed_out else ''}"
+        silent = [r for r in silent_ranks() if r != rank()] if timed_out else []
+        if silent:
+            who = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"
+            _print(f"rank {rank()}: stopping: {who} stopped answering ({what}; no heartbeat from "
+                   f"{'them' if len(silent) > 1 else 'it'} for {2.5 * BEAT_S:g} s)")
+        else:
+            _print(f"rank {rank()}: stopping: another rank failed ({what})")
         time.sleep(OTHER_RANK_EXIT_DELAY_S)
         raise SystemExit(EXIT_OTHER_RANK_FAILED) from None
 

@@ -26,12 +26,15 @@ from megatron.training.attention_backend import attention_backend
 from megatron.training.backends import build_backend, build_model
 from megatron.training.backends.base import Backend, BackendStepResult
 from megatron.training.checkpoint.manager import CheckpointManager
+from megatron.training.collective_timeout import CollectiveTimeout
 from megatron.training.config import Config, ConfigError
 from megatron.training.exit_conditions import ExitConditions, ExitSignal
+from megatron.training.heartbeat import Heartbeat
 from megatron.training.housekeeping import Housekeeping
 from megatron.training.initialize import initialize_distributed, set_random_seed
 from megatron.training.lr_scheduler import OptimizerParamScheduler
 from megatron.training.run_log import RunLog, summary_line
+from megatron.training.stragglers import StragglerDetector
 from megatron.training.train_log import TrainLogger
 
 
@@ -102,6 +105,7 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
     # First: a SIGTERM / SIGUSR1 during start-up is recorded and ends the run after its first step, saved.
     exit_signal = ExitSignal() if cfg.train.exit_signal_handler else None
     device = initialize_distributed(cfg.parallel)
+    heartbeat = Heartbeat()  # lets a rank whose collective timed out name the ranks that went silent
     rng_tracker = set_random_seed(cfg.train.seed, device)
     try:
         tokenizer = build_tokenizer(cfg.tokenizer)
@@ -123,12 +127,15 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
     checkpoints = CheckpointManager(cfg.checkpoint, backend, scheduler, rng_tracker,
                                     cfg.to_megatron_args(model_cfg, tokenizer.vocab_size), device, timeout)
     iteration, consumed = checkpoints.load()
+    train_timeout = cfg.parallel.train_timeout_seconds
+    timeouts = CollectiveTimeout(timeout, datetime.timedelta(seconds=train_timeout) if train_timeout else None)
     if iteration >= cfg.train.train_iters:  # a finished run restarted: its data is used up
         if exit_signal is not None:
             exit_signal.restore()
         if dist.get_rank() == 0:
             print(f"> iteration {iteration} of --train-iters {cfg.train.train_iters} is already trained; nothing to do",
                   flush=True)
+        heartbeat.close()
         return TrainResult(iteration=iteration, model=model, backend=backend)
 
     forward_step_func = forward_step_provider(cfg, tokenizer, device)
@@ -172,6 +179,7 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
     exits = ExitConditions(signal_handler=exit_signal or False, duration_mins=t.exit_duration_in_mins,
                            save_interval_mins=ck.save_interval_minutes, group=checkpoints.group)
     housekeeping = Housekeeping(cfg.housekeeping, device, dist.get_rank())
+    stragglers = StragglerDetector(cfg.stragglers, device) if cfg.stragglers is not None else None
     result = TrainResult(iteration=iteration, model=model, backend=backend)
     first_iteration = iteration + 1  # of this run, for its summary
     routers = model.moe_routers()
@@ -191,6 +199,7 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
             offload_stats = offload.end_step() if offload is not None else None
             iteration += 1
             consumed += batch
+            timeouts.training()
             housekeeping.after_step(iteration)
             result.lrs[iteration] = lr
             if offload_stats is not None:
@@ -207,6 +216,8 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
                 logger.log(iteration, consumed, lr, step.loss_scale, last_grad_norm, backend.memory_tiers(),
                            comm=backend.comm_stats(), moe=moe,
                            offload=dataclasses.asdict(offload_stats) if offload and offload.moves_anything else None)
+                for line in stragglers.check() if stragglers is not None else ():
+                    run_log.print(line)
             if valid_iter is not None and iteration % t.eval_interval == 0:
                 housekeeping.around_eval()
                 logger.log_eval(iteration, evaluate(backend, forward_step_func, valid_iter, spec,
@@ -214,7 +225,8 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
                 housekeeping.around_eval()
             decision = exits.check(checkpoints.minutes_since_save())
             if ck.save and (decision.save or (ck.save_interval and iteration % ck.save_interval == 0)):
-                checkpoints.save(iteration, consumed)
+                with timeouts.long():
+                    checkpoints.save(iteration, consumed)
                 saved_at = iteration
             if decision.stop:
                 saved = f"after saving it to {ck.save}" if ck.save else "without a checkpoint (no --save)"
@@ -222,10 +234,11 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
                 break
             if t.exit_interval and iteration % t.exit_interval == 0:
                 break
-    if ck.save and saved_at != iteration:
-        checkpoints.save(iteration, consumed)
-    backend.finish()
-    checkpoints.finish()
+    with timeouts.long():
+        if ck.save and saved_at != iteration:
+            checkpoints.save(iteration, consumed)
+        backend.finish()
+        checkpoints.finish()
     exits.close()
     logger.close()
     housekeeping.close()
@@ -237,4 +250,5 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
                                final_loss=logger.last_finite_loss, tokens_per_s=logger.median_tokens_per_s(),
                                elapsed_s=time.perf_counter() - started, checkpoint=ck.save, log_path=run_log.path))
     run_log.close()
+    heartbeat.close()
     return result

@@ -53,7 +53,13 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="\"TOKENS:SIZE ...\" (e.g. \"0:16 2.4B:320\"): the global batch size from each token count on")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl when CUDA is available, else gloo")
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="how long a collective may wait for its peers during start-up, the first step and "
+                        "checkpoint saves and loads (default 10)")
+    g.add_argument("--train-timeout-seconds", type=float, default=300.0,
+                   help="how long a collective may wait for its peers once the first step has run (default 300; "
+                        "0: --distributed-timeout-minutes throughout): a peer that went silent ends the round, "
+                        "this rank names the collective, and the launcher restarts (docs/fault-tolerance.md)")
     return parser
 
 
@@ -134,6 +140,7 @@ def parallel_config_from_args(args: argparse.Namespace, world_size: int) -> Para
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, data_parallel_size=dp,
         micro_batch_size=args.micro_batch_size, global_batch_size=global_batch_size,
         distributed_backend=args.distributed_backend, distributed_timeout_minutes=args.distributed_timeout_minutes,
+        train_timeout_seconds=args.train_timeout_seconds or None,
         batch_schedule=schedule if schedule and not schedule.constant else None,
         expert_model_parallel_size=args.expert_model_parallel_size, context_parallel_size=cp,
         cp_comm_type=cp_comm_type, sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1,

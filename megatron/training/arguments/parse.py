@@ -31,6 +31,7 @@ from megatron.training.arguments.train import (
     add_training_args,
     housekeeping_config_from_args,
     log_config_from_args,
+    straggler_config_from_args,
     train_config_from_args,
     train_iters_from_args,
     train_samples_from_args,
@@ -99,7 +100,8 @@ def _config(args: argparse.Namespace, world_size: int) -> Config:
         _check_engine(args, parallel)
     return Config(model=model, parallel=parallel, train=train, optimizer=optimizer, scheduler=scheduler, data=data,
                   tokenizer=tokenizer, checkpoint=checkpoint, deepspeed=deepspeed, log=log, housekeeping=housekeeping,
-                  zero_cache=zero, flags=_flags(args, model, parallel, train_iters))
+                  stragglers=straggler_config_from_args(args), zero_cache=zero,
+                  flags=_flags(args, model, parallel, train_iters))
 
 
 def _check_engine(args: argparse.Namespace, parallel: ParallelConfig) -> None:

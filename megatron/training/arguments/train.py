@@ -11,6 +11,7 @@ from megatron.training.batch_schedule import BatchSchedule
 from megatron.training.config import TrainConfig
 from megatron.training.housekeeping import HousekeepingConfig
 from megatron.training.run_log import default_log_file
+from megatron.training.stragglers import StragglerConfig
 from megatron.training.train_log import LogConfig
 
 
@@ -53,6 +54,13 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--wandb-exp-name", default=None, help="the W&B run's name (needed with --wandb-project)")
     g.add_argument("--wandb-save-dir", default=None, help="where W&B keeps the run (default: <--save>/wandb)")
     g.add_argument("--wandb-entity", default=None, help="the W&B team or user (default: W&B's)")
+    g.add_argument("--log-straggler", action="store_true",
+                   help="at every log interval, time the same matmul probe on every rank and name a rank that is "
+                        "slower than the median by --straggler-factor for --straggler-intervals intervals in a row")
+    g.add_argument("--straggler-factor", type=float, default=1.25,
+                   help="with --log-straggler: slower than the median rank by this factor counts (default 1.25)")
+    g.add_argument("--straggler-intervals", type=int, default=3,
+                   help="with --log-straggler: log intervals in a row a rank must be slow to be named (default 3)")
     g = parser.add_argument_group("per-step housekeeping")
     g.add_argument("--manual-gc", action="store_true",
                    help="turn Python's automatic garbage collection off and collect at fixed points instead (same "
@@ -134,6 +142,12 @@ def log_config_from_args(args: argparse.Namespace) -> LogConfig:
                      log_validation_ppl=args.log_validation_ppl_to_tensorboard, wandb_project=args.wandb_project,
                      wandb_exp_name=args.wandb_exp_name, wandb_save_dir=save_dir, wandb_entity=args.wandb_entity,
                      log_file=log_file)
+
+
+def straggler_config_from_args(args: argparse.Namespace) -> StragglerConfig | None:
+    if not args.log_straggler:
+        return None
+    return StragglerConfig(factor=args.straggler_factor, intervals=args.straggler_intervals)
 
 
 def housekeeping_config_from_args(args: argparse.Namespace) -> HousekeepingConfig:
