@@ -11,6 +11,8 @@
 #   NPROC (processes on this node; default: GPUs, else 2)   HOSTFILE (multi-node, `host slots=N` lines;
 #   LAUNCH_ARGS passes ptm-launch options, e.g. "--master_port 6000")
 #   MAX_RESTARTS (restart every rank up to N times after a rank or node failure, resuming from SAVE_DIR)
+#   MIN_NODES (with HOSTFILE and MAX_RESTARTS: a host lost for good leaves the job and the others go on, same
+#   global batch, while MIN_NODES remain: ptm-launch --nnodes MIN_NODES:hosts; every smaller mesh is checked)
 #   TP, PP, EP (tensor, pipeline, expert parallel sizes; EP divides the data-parallel size, moe-* sizes only)
 #   CP (context-parallel size: ranks that split every sequence; with TP > 1 sequence parallelism is on too)
 #   CP_COMM_TYPE (context-parallel attention with CP > 1: p2p, a2a or allgather; p2p and allgather train
@@ -235,6 +237,15 @@ if [ -n "${GBS:-}" ]; then
   (( GBS % (MBS * DP) == 0 )) || refuse "GBS=$GBS is not a multiple of MBS x DP = $MBS x $DP = $(( MBS * DP )) (MBS$([ "$SIZE" = default ] || echo " from the memory plan"), DP = NPROC / (TP x PP x CP)); use a multiple of $(( MBS * DP ))"
 fi
 GBS="${GBS:-$(( MBS * DP * 2 ))}"
+# An elastic range: each node count it allows must still split into the mesh and the global batch.
+if [ -n "${MIN_NODES:-}" ]; then
+  [[ "$MIN_NODES" =~ ^[1-9][0-9]*$ ]] && (( MIN_NODES <= NNODES )) || refuse "MIN_NODES=$MIN_NODES: give a number of hosts from 1 to the $NNODES of HOSTFILE"
+  [ -n "${HOSTFILE:-}" ] && [ "${MAX_RESTARTS:-0}" != 0 ] || refuse "MIN_NODES=$MIN_NODES needs HOSTFILE and MAX_RESTARTS (going on without a host is a restart of every rank)"
+  for (( n = MIN_NODES; n < NNODES; n++ )); do
+    WORLD=$(( NPROC / NNODES * n ))
+    (( WORLD % SPLIT == 0 )) && DP_N=$(( WORLD / SPLIT )) && (( DP_N % EP == 0 && GBS % (MBS * DP_N) == 0 )) || refuse "MIN_NODES=$MIN_NODES: on $n of the $NNODES hosts ($WORLD processes) TP x PP x CP = $SPLIT, EP=$EP and GBS=$GBS (MBS=$MBS) do not divide the data-parallel ranks that remain; raise MIN_NODES or choose sizes that divide"
+  done
+fi
 if [ -n "$USER_DS_CONFIG" ]; then TRAINS_WITH="zero_cache with DS_CONFIG=$USER_DS_CONFIG"
 elif [ -n "${DS_CONFIG:-}" ]; then TRAINS_WITH="zero_cache with the plan's config"
 else TRAINS_WITH="Megatron DDP"; fi
@@ -269,7 +280,7 @@ say "size=$SIZE layers=$LAYERS hidden=$HIDDEN heads=$HEADS ffn=$FFN${MOE_ARGS[*]
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}"
 RESTARTS=()
 if [ "${MAX_RESTARTS:-0}" != 0 ]; then
-  RESTARTS=(--max_restarts "$MAX_RESTARTS")
+  RESTARTS=(--max_restarts "$MAX_RESTARTS" ${MIN_NODES:+--nnodes "$MIN_NODES:$NNODES"})
   [ -n "${SAVE_DIR:-}" ] || say "MAX_RESTARTS without SAVE_DIR: a restarted run starts over from iteration 0"
 fi
 # LAUNCH_ARGS: extra ptm-launch options, shell-quoted, e.g. "--master_port 6000 --launcher_args '-F ~/.ssh/cluster'"

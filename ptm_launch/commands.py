@@ -12,8 +12,10 @@ from pathlib import Path
 from ptm_launch import node_agent
 from ptm_launch.config import DEFAULT_MASTER_PORT, LaunchConfig
 
-# ssh must fail instead of prompting, and notice a host that went silent (power loss, network).
-SSH_DEFAULT_OPTIONS = ("-o", "BatchMode=yes", "-o", "ServerAliveInterval=10", "-o", "ServerAliveCountMax=3")
+# ssh must fail instead of prompting, give up on a host that does not answer, and notice a host that went
+# silent (power loss, network).
+SSH_DEFAULT_OPTIONS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=10", "-o",
+                       "ServerAliveCountMax=3")
 AGENT_PATH = str(Path(node_agent.__file__).resolve())
 # torchrun with preemption that lets the workers save (graceful_torchrun.py); by path: importing it imports torch.
 TORCHRUN_PATH = str(Path(__file__).resolve().with_name("graceful_torchrun.py"))
@@ -36,6 +38,7 @@ class Rendezvous:
     master_addr: str | None  # None: torchrun --standalone picks a free local port
     master_port: int | None
     elastic: bool = False  # c10d rendezvous: torchrun's agents can restart every rank together
+    min_nodes: int | None = None  # elastic range: a round forms with this many nodes and up to ``nnodes``
 
 
 # torch 2.13's agents share their rendezvous store with the workers and keep it across restarts, so restarted
@@ -50,7 +53,8 @@ def torchrun_argv(cfg: LaunchConfig, python: str, rdzv: Rendezvous, node_rank: i
                   local_addr: str | None = None, max_restarts: int | None = None) -> list[str]:
     """One node's torchrun. Elastic: c10d rendezvous, node 0 hosts its store, ``local_addr`` is how the others
     reach this node (and orders the nodes: the rendezvous ranks them by it)."""
-    argv = [python, "-u", TORCHRUN_PATH, "--nnodes", str(rdzv.nnodes),
+    nnodes = f"{rdzv.min_nodes}:{rdzv.nnodes}" if rdzv.min_nodes is not None else str(rdzv.nnodes)
+    argv = [python, "-u", TORCHRUN_PATH, "--nnodes", nnodes,
             "--nproc-per-node", str(nproc)]
     if rdzv.master_addr is None:
         argv.append("--standalone")
@@ -137,7 +141,7 @@ def _node_agents(cfg: LaunchConfig, python: str, selection: dict[str, list[int]]
     rendezvous on the first host (in ``elastic_order``) unless --master_addr/--master_port say otherwise."""
     hosts = elastic_order(cfg, list(selection))
     rdzv = Rendezvous(len(hosts), cfg.master_addr or hosts[0], cfg.master_port or DEFAULT_MASTER_PORT,
-                      cfg.max_restarts > 0)
+                      cfg.max_restarts > 0, cfg.min_nodes)
     for node_rank, host in enumerate(hosts):
         slots = selection[host]
         command = torchrun_argv(cfg, python, rdzv, node_rank, len(slots), local_addr=host, max_restarts=max_restarts)

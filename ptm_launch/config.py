@@ -30,6 +30,9 @@ class LaunchConfig:
     stop_timeout: float = 30.0
     preempt_timeout: float = 300.0
     max_restarts: int = 0
+    min_nodes: int | None = None  # --nnodes MIN:MAX: the job goes on while MIN nodes remain; None: fixed size
+    max_nodes: int | None = None
+    rejoin_interval: float = 30.0  # seconds between tries of a host left behind
     rdzv_id: str = ""  # the job's name in torchrun's c10d rendezvous (set by the runner when restarts are on)
 
     @property
@@ -80,6 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="restart every rank up to N times when a rank or a node fails (torchrun's elastic agent "
                              "and c10d rendezvous); the script resumes from its checkpoint (pretrain_gpt.py: --save "
                              "DIR --load DIR)")
+    parser.add_argument("--nnodes", default=None, metavar="MIN:MAX",
+                        help="elastic range (torchrun's): a node lost for good (its host unreachable) leaves the job "
+                             "and the others go on from the latest checkpoint while MIN nodes remain, with the same "
+                             "global batch; needs --max_restarts (each loss is one). The selected hosts must number "
+                             "MIN to MAX (docs/fault-tolerance.md#losing-a-node)")
+    parser.add_argument("--rejoin_interval", type=float, default=30.0,
+                        help="with --nnodes: seconds between tries of a host that was left behind; when it answers "
+                             "again, its torchrun joins and the job grows back (default 30)")
     parser.add_argument("user_script", help="training script (or module with --module)")
     parser.add_argument("user_args", nargs=argparse.REMAINDER, help="arguments of the training script")
     return parser
@@ -98,12 +109,16 @@ def config_from_args(argv: list[str] | None = None) -> LaunchConfig:
             parser.error(f"--{flag} must be a TCP port 1..65535, got {value}")
     if args.module and args.no_python:
         parser.error("--module and --no_python cannot be combined")
-    for flag in ("stop_timeout", "preempt_timeout"):
+    for flag in ("stop_timeout", "preempt_timeout", "rejoin_interval"):
         value = getattr(args, flag)
         if not 0 < value < float("inf"):
             parser.error(f"--{flag} must be a positive number of seconds, got {value}")
     if args.max_restarts < 0:
         parser.error(f"--max_restarts must be 0 or more, got {args.max_restarts}")
+    min_nodes, max_nodes = _node_range(parser, args.nnodes)
+    if min_nodes is not None and args.max_restarts == 0:
+        parser.error(f"--nnodes {args.nnodes} continues after a lost node by restarting every rank: give "
+                     f"--max_restarts N (N >= 1, one per loss)")
     if args.launcher == "slurm" and args.hostfile:
         parser.error("--launcher slurm takes the nodes from the allocation (SLURM_JOB_NODELIST); leave out --hostfile")
     return LaunchConfig(
@@ -113,4 +128,19 @@ def config_from_args(argv: list[str] | None = None) -> LaunchConfig:
         launcher_args=tuple(os.path.expanduser(arg) for arg in shlex.split(args.launcher_args)),
         ssh_port=args.ssh_port, module=args.module,
         no_python=args.no_python, force_multi=args.force_multi, stop_timeout=args.stop_timeout,
-        preempt_timeout=args.preempt_timeout, max_restarts=args.max_restarts)
+        preempt_timeout=args.preempt_timeout, max_restarts=args.max_restarts, min_nodes=min_nodes,
+        max_nodes=max_nodes, rejoin_interval=args.rejoin_interval)
+
+
+def _node_range(parser: argparse.ArgumentParser, text: str | None) -> tuple[int | None, int | None]:
+    """``MIN:MAX`` (or ``N``: exactly N) as two numbers; (None, None) when not given."""
+    if text is None:
+        return None, None
+    parts = text.split(":")
+    try:
+        low, high = (int(parts[0]), int(parts[-1])) if len(parts) in (1, 2) else (0, 0)
+    except ValueError:
+        low, high = 0, 0
+    if not 1 <= low <= high:
+        parser.error(f"--nnodes {text}: give MIN:MAX with 1 <= MIN <= MAX (e.g. 1:2), or N")
+    return low, high

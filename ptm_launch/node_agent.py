@@ -6,8 +6,10 @@ and waits: ``--preempt-grace`` seconds when the job is preempted (a SIGTERM/SIGI
 launcher's ``preempt`` line on stdin), ``--grace`` seconds when the launcher stops the job after a failure or
 goes away (its end of stdin closes, or this process is re-parented because the ssh session or the launcher
 died). Then it kills whatever is left. Further signals change nothing: Slurm and Kubernetes signal every
-process, so torchrun and the ranks have them already. As a child subreaper it also adopts workers orphaned by a
-crashed torchrun, so those are cleaned up too. Exit status: the command's.
+process, so torchrun and the ranks have them already. The launcher's ``restart`` line (another node left an
+elastic job) kills torchrun's ranks, and torchrun restarts them in a new rendezvous round. As a child
+subreaper it also adopts workers orphaned by a crashed torchrun, so those are cleaned up too. Exit status:
+the command's.
 
 The launcher runs this file by path, so it imports nothing from this package.
 """
@@ -59,7 +61,27 @@ def _kill_descendants(grace: float) -> None:
     psutil.wait_procs(alive, timeout=5)
 
 
+def _kill_workers(torchrun: int) -> None:
+    """SIGKILL everything under torchrun (its ranks and theirs): a rank given SIGTERM would try to save, in
+    collectives with a node that is gone."""
+    try:
+        procs = psutil.Process(torchrun).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 PREEMPT_LINE = b"preempt\n"  # what the launcher writes on stdin when it is preempted
+RESTART_LINE = b"restart\n"  # ... when another node left the job: torchrun starts a round without it
+
+
+@dataclass(frozen=True)
+class RestartRequest:
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -74,6 +96,8 @@ def _watch_stdin(requests: queue.SimpleQueue) -> None:
     while data := os.read(sys.stdin.fileno(), 4096):
         if PREEMPT_LINE in data:
             requests.put(StopRequest("the launcher was preempted", signal.SIGTERM, True))
+        if RESTART_LINE in data:
+            requests.put(RestartRequest("another node left the job"))
     requests.put(StopRequest("the launcher closed the connection", signal.SIGTERM, False))
 
 
@@ -85,7 +109,7 @@ def _watch_parent(parent: int, requests: queue.SimpleQueue) -> None:
 
 def run(command: list[str], watch_stdin: bool, grace: float, preempt_grace: float, label: str) -> int:
     _become_subreaper()
-    requests: queue.SimpleQueue[StopRequest] = queue.SimpleQueue()  # put() is safe in a signal handler
+    requests: queue.SimpleQueue[StopRequest | RestartRequest] = queue.SimpleQueue()  # put() is safe in a signal handler
 
     def on_signal(signum, _frame):
         passed = signal.SIGUSR1 if signum == signal.SIGUSR1 else signal.SIGTERM
@@ -106,6 +130,11 @@ def run(command: list[str], watch_stdin: bool, grace: float, preempt_grace: floa
         try:
             req = requests.get(timeout=_POLL_S)
         except queue.Empty:
+            continue
+        if isinstance(req, RestartRequest):
+            if deadline is None:
+                _log(label, f"{req.reason}: stopping torchrun's ranks; torchrun restarts them in a new round")
+                _kill_workers(proc.pid)
             continue
         wait = preempt_grace if req.preempt else grace
         if deadline is None:

@@ -27,8 +27,9 @@ _TORCHRUN_EXIT_RE = re.compile(r"^torch\.distributed\.elastic\.\S*(ChildFailedEr
 _RANK_PREFIX_RE = re.compile(r"^(\[rank\d+\]:\s?)")
 _TRACEBACK = "Traceback (most recent call last):"
 _BOX_RULE_RE = re.compile(r"^=+$")
-# megatron/training/errors.py: a rank that stops because another one failed.
+# megatron/training/errors.py: a rank that stops because another one failed, or names the ranks that went silent.
 _SECONDARY_RE = re.compile(r"^rank \d+: stopping: another rank failed \(")
+_SILENT_RE = re.compile(r"^rank \d+: stopping: ranks? [\d, ]+ stopped answering \(")
 # A rank's exception when its peer is gone (what gloo, NCCL and the store say); such a rank is not the cause.
 _PEER_LOST_RE = re.compile(
     r"connection (closed|reset) by peer|broken pipe|socket timeout|communicator was aborted|ncclRemoteError|"
@@ -155,6 +156,6 @@ class NodeOutput:
         return [*block.lines, exception_line]
 
     def _note_cause(self, body: str, prefix: str, now: float) -> None:
-        if _CAUSE_RE.match(body) and not _PEER_LOST_RE.search(body):
+        if (_CAUSE_RE.match(body) and not _PEER_LOST_RE.search(body)) or _SILENT_RE.match(body):
             rank = int(re.sub(r"\D", "", prefix)) if prefix else None
             self.events.append(CauseLine(body.strip(), rank, now))

@@ -37,6 +37,12 @@ def with_rdzv_id(cfg: LaunchConfig, environ: Mapping[str, str]) -> LaunchConfig:
     return dataclasses.replace(cfg, rdzv_id=f"slurm-{job}" if job else f"ptm-{uuid.uuid4().hex[:12]}")
 
 
+def _check_node_range(cfg: LaunchConfig, selection: dict[str, list[int]], source: str) -> None:
+    if cfg.min_nodes is not None and not cfg.min_nodes <= len(selection) <= cfg.max_nodes:
+        raise HostfileError(f"--nnodes {cfg.min_nodes}:{cfg.max_nodes}, but {len(selection)} host(s) are selected "
+                            f"from {source}: select {cfg.min_nodes} to {cfg.max_nodes} hosts or change the range")
+
+
 def plan(cfg: LaunchConfig, environ: Mapping[str, str], cwd: Path, home: Path, python: str,
          max_restarts: int | None = None) -> list[NodeSpec]:
     """The node processes to start (``max_restarts``: torchrun's budget, when nodes are started again);
@@ -45,9 +51,11 @@ def plan(cfg: LaunchConfig, environ: Mapping[str, str], cwd: Path, home: Path, p
     if cfg.launcher == "slurm":
         pool = slurm_pool(environ, cfg.num_gpus)
         selection = select_resources(pool, cfg.include, cfg.exclude, cfg.num_nodes, -1)
+        _check_node_range(cfg, selection, "the Slurm allocation")
         return plan_slurm(cfg, python, selection, pool, file_env, dict(environ), max_restarts)
     pool = read_hostfile(cfg.hostfile) if cfg.hostfile else {"localhost": local_slot_count(cfg)}
     selection = select_resources(pool, cfg.include, cfg.exclude, cfg.num_nodes, cfg.num_gpus)
+    _check_node_range(cfg, selection, cfg.hostfile or "this machine")
     if len(selection) == 1 and not cfg.force_multi:
         host, slots = next(iter(selection.items()))
         return plan_local(cfg, python, host, slots, pool[host], file_env, dict(environ), max_restarts)
@@ -89,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
     supervisor = Supervisor(nodes, cfg.stop_timeout, restarts=Restarts(cfg.max_restarts, checkpoints),
                             respawn=lambda left: plan(cfg, os.environ, cwd, home, sys.executable, left),
-                            preempt_timeout=cfg.preempt_timeout)
+                            preempt_timeout=cfg.preempt_timeout, min_nodes=cfg.min_nodes,
+                            rejoin_every=cfg.rejoin_interval)
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):  # USR1: ``sbatch --signal=B:USR1@...``
         signal.signal(signum, lambda signum, _frame: supervisor.request_stop(signum))
     return supervisor.run()

@@ -4,7 +4,11 @@ The job ends when every node exits 0, when it fails (the other nodes are stopped
 and its exit code is the launcher's), or on Ctrl-C / SIGTERM: a preemption, passed to every node's agent, whose
 ranks finish their step, save and exit within ``--preempt_timeout`` (exit 0 when all did). With restarts, a
 node whose torchrun died (killed, or its host unreachable) is started again and rejoins the rendezvous; the
-node hosting the rendezvous store takes every node with it, so then all are started again.
+node hosting the rendezvous store takes every node with it, so then all are started again. With an elastic
+range (``--nnodes MIN:MAX``), a node whose host became unreachable leaves the job instead, while MIN nodes
+remain: the others' agents stop their ranks, and torchrun restarts them in a round without it. Its host is
+tried again every ``rejoin_every`` seconds; once it answers, its torchrun joins and the job grows back (the
+other nodes' torchrun restart their ranks for the larger round, which save first with --exit-signal-handler).
 """
 from __future__ import annotations
 
@@ -22,11 +26,13 @@ from typing import Callable, TextIO
 import psutil
 
 from ptm_launch.commands import NodeSpec
-from ptm_launch.node_agent import PREEMPT_LINE
+from ptm_launch.node_agent import PREEMPT_LINE, RESTART_LINE
 from ptm_launch.node_output import CauseLine, NodeOutput, RestartRequested, RoundComplete, WorkerFailed
 from ptm_launch.restarts import Failure, Restarts, cause_of
 
 _POLL_S = 0.1
+REJOIN_EVERY_S = 30.0
+SAME_ROUND_S = 10.0  # the nodes' reports of one rendezvous round arrive within this of each other
 _KILL_WAIT_S = 5.0
 # A second signal this soon after the first is a copy of it (a wrapper passing it on as well), not a second try.
 SAME_SIGNAL_S = 1.0
@@ -51,7 +57,9 @@ class _Node:
         self.tail: deque[str] = deque(maxlen=tail_lines)
         self.output = NodeOutput()
         self.stopping = False  # the launcher asked it to stop: its exit code says nothing
+        self.joining = False  # a host left behind, tried again: not part of the job until it joins a round
         self.global_ranks: tuple[int, ...] = ()
+        self.round_time: float | None = None  # when its latest rendezvous round completed
         self.cause_lines: list[CauseLine] = []
         self._out, self._out_lock, self._events = out, out_lock, events
         self.reader = threading.Thread(target=self._pump, daemon=True)
@@ -99,6 +107,18 @@ class _Node:
         except (OSError, ValueError):  # the node is already gone
             pass
 
+    def request_restart(self) -> bool:
+        """Another node left the job: the agent stops this node's ranks, so torchrun restarts them in a new round.
+        False where stdin does not reach the agent (pdsh): the ranks then leave by --train-timeout-seconds."""
+        if not self.spec.stdin_reaches_agent:
+            return False
+        try:
+            self.proc.stdin.write(RESTART_LINE)
+            self.proc.stdin.flush()
+        except (OSError, ValueError):
+            return False
+        return True
+
     def signal_tree(self, signum: int) -> None:
         """Signal the client and everything under it (pdsh runs its ssh children in other groups)."""
         try:
@@ -132,8 +152,12 @@ class Supervisor:
 
     def __init__(self, specs: list[NodeSpec], stop_timeout: float, out: TextIO = sys.stdout,
                  err: TextIO = sys.stderr, tail_lines: int = 20, restarts: Restarts | None = None,
-                 respawn: Callable[[int], list[NodeSpec]] | None = None, preempt_timeout: float = 300.0):
+                 respawn: Callable[[int], list[NodeSpec]] | None = None, preempt_timeout: float = 300.0,
+                 min_nodes: int | None = None, rejoin_every: float = REJOIN_EVERY_S):
         self.specs, self.stop_timeout, self.out, self.err, self.tail_lines = specs, stop_timeout, out, err, tail_lines
+        self.min_nodes = min_nodes  # --nnodes MIN:MAX: a lost node may leave while MIN remain; None: never
+        self.rejoin_every = rejoin_every
+        self._left: dict[int, float] = {}  # node rank of a node left behind -> when its host is tried again
         self.preempt_timeout = preempt_timeout
         self.restarts = restarts or Restarts(0)
         self.respawn = respawn
@@ -191,19 +215,31 @@ class Supervisor:
                 return self._bad_input
             for line in self.restarts.messages(time.monotonic()):
                 self._say(line)
+            self._try_left_behind(time.monotonic())
             done = True
             for node in list(self.nodes):
                 code = node.proc.poll()
                 if code is None:
                     done = False
+                elif node.joining:  # its host still does not answer (or it failed before it joined): later
+                    node.finish_reading()
+                    self.nodes.remove(node)
+                    self._left[node.spec.node_rank] = time.monotonic() + self.rejoin_every
                 elif code != 0 and not node.stopping:
                     node.finish_reading()
                     self._handle_events()
-                    if not self._relaunch(node, code):
+                    if not (self._leave_behind(node, code) or self._relaunch(node, code)):
                         return node
                     done = False
                     break
             if done:
+                return None
+            if all(n.joining or n.proc.poll() == 0 for n in self.nodes):  # the job ended before they joined
+                joining = [n for n in self.nodes if n.joining]
+                self._stop_nodes(joining)
+                for n in joining:
+                    n.finish_reading()
+                    self.nodes.remove(n)
                 return None
             time.sleep(_POLL_S)
         return None
@@ -246,7 +282,11 @@ class Supervisor:
                         if failure not in self.restarts.pending.failures:
                             self.restarts.add(failure)
             elif isinstance(event, RoundComplete):
-                node.global_ranks = event.global_ranks
+                node.global_ranks, node.round_time = event.global_ranks, event.time
+                if node.joining:
+                    node.joining = False
+                    self._say(f"node {node.spec.node_rank} ({node.spec.host}) is back: the job grows to "
+                              f"{len(self.nodes)} node(s)")
                 for line in self.restarts.rejoined(node.spec.node_rank, len(self.nodes), event.time):
                     self._say(line)
 
@@ -286,6 +326,62 @@ class Supervisor:
 
     def _round_failures(self) -> list[Failure]:
         return [f for f in self.failures if f.time >= self.restarts.round_start]
+
+    # ---- going on without a node ---------------------------------------------------------------------------
+    def _leave_behind(self, node: _Node, code: int) -> bool:
+        """An unreachable host (ssh 255) leaves an elastic job while enough nodes remain; not the node hosting the
+        rendezvous store (the others cannot meet without it). The restart it causes is counted when the other
+        nodes' torchrun report it, as any other."""
+        if (self.min_nodes is None or code != 255 or node.spec.node_rank == 0
+                or len(self.nodes) - 1 < self.min_nodes):
+            return False
+        now = time.monotonic()
+        failure = Failure(node.spec.node_rank, node.spec.host, now, code)
+        self.failures.append(failure)
+        self.restarts.add(failure)
+        self.nodes.remove(node)
+        self._left[node.spec.node_rank] = now + self.rejoin_every
+        self._say(f"{failure.describe()}; going on without it on {len(self.nodes)} node(s) (--nnodes "
+                  f"{self.min_nodes}:{len(self.specs)}, the same global batch): their ranks restart; its host is "
+                  f"tried again every {self.rejoin_every:.0f} s")
+        pending = self.restarts.pending
+        if pending is not None:
+            # torchrun restarts the ranks already (its rendezvous found the node gone, or a rank failed): the
+            # restart is over once the nodes that remain have joined.
+            if pending.rejoined >= {n.spec.node_rank for n in self.nodes}:
+                for line in self.restarts.rejoined(self.nodes[0].spec.node_rank, len(self.nodes), now):
+                    self._say(line)
+            return True
+        if self._round_without(node):
+            return True  # torchrun's rendezvous already formed a round without it
+        unreached = [other for other in self.nodes if not other.request_restart()]
+        if unreached:
+            self._say(f"{len(unreached)} node(s) cannot be told (pdsh): their ranks leave once their collectives "
+                      f"time out (pretrain_gpt.py --train-timeout-seconds)")
+        return True
+
+    def _round_without(self, lost: _Node) -> bool:
+        """Every node that remains joined a round after the last one ``lost`` was in. The nodes of one round
+        report it within moments of each other; a new round takes a restart of the ranks (SAME_ROUND_S)."""
+        return lost.round_time is not None and all(
+            n.round_time is not None and n.round_time > lost.round_time + SAME_ROUND_S for n in self.nodes)
+
+    def _try_left_behind(self, now: float) -> None:
+        """Start the node of a host left behind again when its time has come (not while a restart is under way):
+        if the host answers, its torchrun joins the rendezvous and the job grows; if not, ssh fails within its
+        ConnectTimeout and the host is tried again later."""
+        for node_rank, when in list(self._left.items()):
+            if now < when or self.restarts.pending is not None or self.respawn is None:
+                continue
+            del self._left[node_rank]
+            try:
+                spec = next(s for s in self.respawn(self.restarts.left) if s.node_rank == node_rank)
+                node = self._start(spec)
+            except (OSError, ValueError, StopIteration):
+                self._left[node_rank] = now + self.rejoin_every
+                continue
+            node.joining = True
+            self.nodes.append(node)
 
     # ---- starting a node again ----------------------------------------------------------------------------
     def _relaunch(self, node: _Node, code: int) -> bool:

@@ -295,3 +295,24 @@ def test_plan_is_of_the_users_tokenizer_and_says_it_is_not_of_ds_config(tmp_path
                          "checked)")
     args = Path(env["LAUNCHED"]).read_text().splitlines()
     assert _flag(args, "--deepspeed_config") == str(ds)
+
+
+def test_min_nodes_checks_every_smaller_mesh_and_passes_the_elastic_range(tmp_path, stand_in_venv):
+    """MIN_NODES: each node count down to it must still split into the mesh; then ptm-launch gets --nnodes."""
+    base = _recording_venv(tmp_path, stand_in_venv)
+    (tmp_path / "hostfile").write_text("10.0.0.1 slots=2\n10.0.0.2 slots=2\n")
+    env = {**os.environ, **base, "HOSTFILE": "hostfile", "MAX_RESTARTS": "1", "MIN_NODES": "1", "MBS": "1",
+           "GBS": "8"}
+
+    def start(**extra):
+        return subprocess.run(["bash", str(ROOT / "examples" / "start.sh")], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300, env={**env, **extra})
+    refused = start(TP="2", PP="2")
+    assert refused.returncode == 2 and not Path(base["LAUNCHED"]).exists(), refused.stdout[-3000:]
+    assert refused.stdout.splitlines()[-1] == (
+        "[start.sh] error: MIN_NODES=1: on 1 of the 2 hosts (2 processes) TP x PP x CP = 4, EP=1 and GBS=8 (MBS=1) "
+        "do not divide the data-parallel ranks that remain; raise MIN_NODES or choose sizes that divide")
+    started = start(TP="2")
+    assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
+    launched = Path(base["LAUNCHED"]).read_text().splitlines()
+    assert launched[:6] == ["--hostfile", str(tmp_path / "hostfile"), "--max_restarts", "1", "--nnodes", "1:2"]

@@ -61,7 +61,8 @@ def test_two_hosts_one_torchrun_each_in_hostfile_order(tmp_path):
         ssh, words = _remote(node)
         # user options first (ssh keeps the first value), then ours, then "--" so a host is never an option
         assert ssh == ["ssh", "-F", "my_config", "-o", "ServerAliveInterval=2", "-p", "2222", "-o", "BatchMode=yes",
-                       "-o", "ServerAliveInterval=10", "-o", "ServerAliveCountMax=3", "--", node.host]
+                       "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=10", "-o", "ServerAliveCountMax=3", "--",
+                       node.host]
         assert words[:5] == ["cd", str(tmp_path), "&&", "exec", "env"]
         assert _torchrun_flags(words) == {"--nnodes": "2", "--nproc-per-node": "2", "--node-rank": str(node.node_rank),
                                           "--master-addr": "node-a", "--master-port": "29500"}
@@ -93,7 +94,8 @@ def test_pdsh_launcher(tmp_path):
     ssh, words = _remote(nodes[1])
     assert ssh == ["pdsh", "-S", "-w", "node-b"]
     assert nodes[1].env == {"PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND":
-                            "-F cfg -p 2222 -o BatchMode=yes -o ServerAliveInterval=10 -o ServerAliveCountMax=3"}
+                            "-F cfg -p 2222 -o BatchMode=yes -o ConnectTimeout=10 -o ServerAliveInterval=10 "
+                            "-o ServerAliveCountMax=3"}
     assert "--watch-stdin" not in words and not nodes[1].stdin_reaches_agent
 
 
@@ -128,7 +130,9 @@ def test_script_arguments_that_look_like_launcher_options_go_to_the_script():
 
 
 @pytest.mark.parametrize("argv", [["--num_gpus", "0", "t.py"], ["--master_port", "70000", "t.py"],
-                                  ["--module", "--no_python", "t.py"], ["--launcher", "mpirun", "t.py"]])
+                                  ["--module", "--no_python", "t.py"], ["--launcher", "mpirun", "t.py"],
+                                  ["--nnodes", "2:1", "--max_restarts", "1", "t.py"],
+                                  ["--nnodes", "a:b", "--max_restarts", "1", "t.py"], ["--nnodes", "1:2", "t.py"]])
 def test_bad_options_exit_with_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         config_from_args(argv)
@@ -178,6 +182,16 @@ def test_restarts_use_c10d_rendezvous_in_host_name_order(tmp_path):
         assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in words
     ids = {_torchrun_flags(_remote(n)[1])["--rdzv-id"] for n in nodes}
     assert len(ids) == 1 and ids.pop().startswith("ptm-")
+
+
+def test_an_elastic_range_goes_to_every_torchrun_and_must_hold_the_selected_hosts(tmp_path):
+    nodes = _plan(tmp_path, "--nnodes", "1:2", "--max_restarts", "1", hosts="node-b slots=2\nnode-a slots=2\n",
+                  environ={})
+    assert [_torchrun_flags(_remote(n)[1])["--nnodes"] for n in nodes] == ["1:2", "1:2"]
+    with pytest.raises(HostfileError, match=r"--nnodes 3:4, but 2 host\(s\) are selected from .*hostfile: select 3 "
+                                            r"to 4 hosts or change the range"):
+        _plan(tmp_path, "--nnodes", "3:4", "--max_restarts", "1", hosts="node-b slots=2\nnode-a slots=2\n",
+              environ={})
 
 
 def test_nodes_started_again_get_the_restarts_that_are_left(tmp_path):

@@ -164,3 +164,4 @@ def test_a_killed_rank_under_plain_torchrun_and_ptm_launch():
     output = "".join(lines) + rest
     assert "rank 0: stopping: another rank failed (" in output, output
     assert "[rank0]: Traceback" not in output
+

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.dist_utils import TORCHRUN
@@ -184,10 +185,15 @@ def test_unreachable_node_fails_the_job_before_the_collective_timeout(hosts):
 RESTART_ITERS = 24
 
 
-def _restart_args(ckpt: Path) -> list[str]:
+def _zero3_args(iters: int) -> list[str]:
+    """GPT_ARGS for ``iters`` iterations through the ZeRO-3 engine (shards to reshard when the world changes)."""
     args = list(GPT_ARGS)
-    args[args.index("--train-iters") + 1] = str(RESTART_ITERS)
-    return [*args, "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "3"]
+    args[args.index("--train-iters") + 1] = str(iters)
+    return [*args, "--deepspeed", "--deepspeed_config", str(REPO / "examples" / "ds_config_zero3.json")]
+
+
+def _restart_args(ckpt: Path, iters: int = RESTART_ITERS) -> list[str]:
+    return [*_zero3_args(iters), "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "3"]
 
 
 def _torchrun_pid(hosts: Hosts, namespace: str) -> int:
@@ -198,12 +204,15 @@ def _torchrun_pid(hosts: Hosts, namespace: str) -> int:
 @pytest.fixture(scope="module")
 def single_host_losses():
     """The uninterrupted run of _restart_args' model and data (without checkpoints) on one host, 4 ranks."""
-    args = _restart_args(Path("unused"))[:-6]
+    return _single_host_losses(_zero3_args(RESTART_ITERS))
+
+
+def _single_host_losses(args: list[str]) -> dict[int, str]:
     single = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node", "4", "pretrain_gpt.py", *args],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert single.returncode == 0, single.stdout
     losses = gpt_losses_by_iteration(single.stdout)
-    assert sorted(losses) == list(range(1, RESTART_ITERS + 1))
+    assert sorted(losses) == list(range(1, int(args[args.index("--train-iters") + 1]) + 1))
     return losses
 
 
@@ -260,3 +269,91 @@ def test_gpt_survives_each_node_losing_its_torchrun(hosts, tmp_path, single_host
         before.update(retrained)
     assert sorted(before) == list(range(1, RESTART_ITERS + 1))
     assert hosts.wait_until_idle() == {}
+
+
+ELASTIC_ITERS = 40
+
+
+def _until_sigterm_pending(procs: list[psutil.Process], timeout: float) -> None:
+    """Until one of ``procs`` (stopped) has a SIGTERM waiting for it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for proc in procs:
+            try:
+                status = Path(f"/proc/{proc.pid}/status").read_text()
+            except OSError:
+                continue
+            pending = int(re.search(r"^ShdPnd:\s*(\w+)", status, re.M)[1], 16) | \
+                int(re.search(r"^SigPnd:\s*(\w+)", status, re.M)[1], 16)
+            if pending >> (signal.SIGTERM - 1) & 1:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"no SIGTERM reached the first host's ranks within {timeout:.0f} s")
+
+
+def test_elastic_job_goes_on_without_a_host_that_vanished_and_grows_when_it_is_back(hosts, tmp_path):
+    """--nnodes 1:2: the second host vanishes as a power loss looks (its link down first, so no TCP reset reaches
+    anyone, then every process of it gone). The launcher's ssh keepalive notices, the first host's ranks restart
+    alone: TP 2 x DP 1 instead of DP 2, the same global batch in twice the micro-batches, the latest ZeRO-3
+    checkpoint resharded, training back within 120 s. When the host answers again, its torchrun joins, the first
+    host's ranks save the step they are in (--exit-signal-handler) and all resume from it at DP 2. Every loss
+    is the uninterrupted run's."""
+    reference = {i: float(v) for i, v in _single_host_losses(_zero3_args(ELASTIC_ITERS)).items()}
+    ckpt = tmp_path / "ckpt"
+    keepalive = ("-o", "ServerAliveInterval=2", "-o", "ServerAliveCountMax=3")
+    live = LiveLauncher(*_ssh_args(hosts, *keepalive), "--nnodes", "1:2", "--max_restarts", "2", "--rejoin_interval",
+                        "5", "pretrain_gpt.py", *_restart_args(ckpt, ELASTIC_ITERS), "--exit-signal-handler",
+                        netns=hosts.namespaces[0], env=GLOO_ENV)
+    second = hosts.namespaces[1]
+    try:
+        seen = live.wait_for(re.compile(r"iteration\s+7/"), timeout=300)
+        subprocess.run(["ip", "-n", second, "link", "set", "eth0", "down"], check=True)
+        lost_at = time.monotonic()
+        for pid in hosts.job_pids(second):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        left = live.wait_for("going on without it", timeout=60, after=seen)
+        alone = live.wait_for("> model:", timeout=180, after=left)
+        again = live.wait_for(re.compile(r"iteration\s+\d+/"), timeout=180, after=alone)
+        back_s = live.times[again] - lost_at
+        print(f"\nsecond host lost -> the first host trains alone {back_s:.1f} s later")
+        # The first host alone would finish before the second one is back: its ranks wait (frozen) until the
+        # second host's torchrun joined and theirs asks them to stop for the larger round (SIGTERM pending).
+        ranks = psutil.Process(_torchrun_pid(hosts, hosts.namespaces[0])).children(recursive=True)
+        for rank in ranks:
+            rank.suspend()
+        try:
+            subprocess.run(["ip", "-n", second, "link", "set", "eth0", "up"], check=True)
+            _until_sigterm_pending(ranks, timeout=120)
+        finally:
+            for rank in ranks:
+                rank.resume()
+        live.wait_for("is back: the job grows to 2 node(s)", timeout=120, after=again)
+        stopped = live.wait_for("SIGTERM received: stopping at iteration", timeout=120, after=again)
+        both = live.wait_for("> model:", timeout=180, after=stopped)
+        assert live.finish(timeout=300) == 0, live.output
+    finally:
+        subprocess.run(["ip", "-n", second, "link", "set", "eth0", "up"], check=True)
+        if live.proc.poll() is None:
+            live.proc.kill()
+        hosts.kill_jobs()
+    out = live.output
+    assert live.lines[left].rstrip().endswith(
+        "ptm-launch: node 1 (10.77.0.2) lost its connection (ssh exit code 255: the host died, rebooted or became "
+        "unreachable); going on without it on 1 node(s) (--nnodes 1:2, the same global batch): their ranks restart; "
+        "its host is tried again every 5 s")
+    assert "restart 1: all 1 node(s) rejoined" in out and "Traceback" not in out
+    start = [int(re.search(r"starting at iteration (\d+)", live.lines[i])[1]) for i in (alone, both)]
+    assert "TP=2 PP=1 DP=1, 4 micro-batches of 2 per step" in live.lines[alone] and start[0] in (6, 9)
+    assert "TP=2 PP=1 DP=2, 2 micro-batches of 2 per step" in live.lines[both]
+    assert start[1] == int(re.search(r"stopping at iteration (\d+)", live.lines[stopped])[1]) > start[0]
+    before = {i: float(v) for i, v in gpt_losses_by_iteration(live.lines[:left]).items()}
+    by_one = {i: float(v) for i, v in gpt_losses_by_iteration(live.lines[alone:both]).items()}
+    by_two = {i: float(v) for i, v in gpt_losses_by_iteration(live.lines[both:]).items()}
+    assert min(before) == 1 and max(before) >= 7 and sorted(by_one) == list(range(start[0] + 1, start[1] + 1))
+    assert sorted(by_two) == list(range(start[1] + 1, ELASTIC_ITERS + 1))
+    for losses in (before, by_one, by_two):  # DP 1: the gradients are summed in another order
+        assert losses == pytest.approx({i: reference[i] for i in losses}, rel=1e-5)
+    assert back_s < 120

@@ -67,6 +67,31 @@ def test_preempt_line_lets_the_command_finish_and_exit_zero():
         in agent.stderr.read()
 
 
+# A stand-in torchrun: starts a "rank" and, each time that rank dies, reports it and starts another (a restart).
+RESTARTS_ITS_RANK = ("import subprocess, sys\n"
+                     "for attempt in range(2):\n"
+                     "    rank = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(1000)'])\n"
+                     "    print(f'rank {rank.pid}', flush=True)\n"
+                     "    print(f'rank exited {rank.wait()}', flush=True)\n")
+
+
+def test_restart_line_kills_the_ranks_and_leaves_torchrun_running():
+    """Another node left an elastic job: the ranks are killed (SIGKILL: they must not try to save with a peer
+    that is gone); torchrun itself stays, to start them again."""
+    agent = _agent("--watch-stdin", "--", sys.executable, "-c", RESTARTS_ITS_RANK, stdin=subprocess.PIPE)
+    first = agent.stdout.readline()
+    assert first.startswith("rank ")
+    agent.stdin.write("restart\n")
+    agent.stdin.flush()
+    assert agent.stdout.readline() == f"rank exited {-signal.SIGKILL}\n"
+    second = agent.stdout.readline()
+    assert second.startswith("rank ") and second != first  # started again: the agent did not stop the command
+    os.kill(int(second.split()[1]), signal.SIGTERM)
+    assert agent.wait(timeout=60) == 0
+    assert "another node left the job: stopping torchrun's ranks; torchrun restarts them in a new round" \
+        in agent.stderr.read()
+
+
 def test_every_process_signalled_at_once_is_one_preemption():
     """Slurm and Kubernetes signal the agent and torchrun together: nothing escalates, the command exits 0."""
     agent = _agent("--", sys.executable, "-c", SAVES_ON_SIGTERM, start_new_session=True)

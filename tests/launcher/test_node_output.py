@@ -60,6 +60,16 @@ def test_one_line_errors_of_the_trainer():
                                                    "rank 2: stopping: another rank failed (DistNetworkError)"]
 
 
+def test_a_rank_that_names_silent_ranks_states_the_cause():
+    silent = ("rank 0: stopping: rank 1 stopped answering (RuntimeError: all_reduce at zero_cache/comm.py:173 timed "
+              "out; no heartbeat from it for 5 s)")
+    two = "rank 2: stopping: ranks 1, 3 stopped answering (RuntimeError: wait timed out)"
+    out, shown = _run([silent, f"[rank2]: {two}"])
+    assert shown == [silent, f"[rank2]: {two}"]
+    assert [(c.text, c.rank) for c in out.events] == [(silent, None), (two, 2)]
+    assert out.secondary == []
+
+
 def test_other_agent_warnings_and_unprefixed_tracebacks_are_kept():
     lines = [
         "W1201 11:01:57.136000 31087 torch/distributed/elastic/rendezvous/dynamic_rendezvous.py:1 The node "

@@ -95,3 +95,27 @@ def test_a_killed_torchrun_is_started_again():
     losses = {int(step): float(loss) for step, loss in re.findall(r"step (\d+) loss (\S+)", out)}  # the last run's
     assert [losses[s] for s in range(6)] == pytest.approx(reference_losses(world=2, steps=6), rel=1e-5)
     assert not any(psutil.pid_exists(pid) for pid in workers)  # the dead torchrun's workers were cleaned up
+
+
+def test_a_frozen_rank_ends_the_round_after_the_training_timeout_and_the_job_goes_on(tmp_path):
+    """SIGSTOP on rank 1 in the middle of training: nothing resets a connection, rank 0's next collective just
+    waits. It times out after --train-timeout-seconds, rank 0 names rank 1 as the rank that stopped answering (its
+    heartbeat stopped) and the collective it waited in, torchrun restarts every rank (the frozen one is killed),
+    and the job finishes with the uninterrupted run's losses."""
+    expected = tiny_gpt_losses()
+    ckpt = tmp_path / "ckpt"
+    live = LiveLauncher("--num_gpus", "2", "--max_restarts", "1", "pretrain_gpt.py", *tiny_gpt_args(),
+                        "--train-timeout-seconds", "3", "--save", str(ckpt), "--load", str(ckpt), "--save-interval",
+                        "3", env=CPU_ONLY)
+    try:
+        live.wait_for(re.compile(r"iteration\s+7/"), timeout=300)
+        psutil.Process(live.workers()[1]).suspend()
+        restart = live.wait_for("ptm-launch: restart 1 of 1:", timeout=120)
+        assert live.finish(timeout=300) == 0, live.output
+    finally:
+        if live.proc.poll() is None:
+            live.proc.kill()
+    assert re.search(r"ptm-launch: restart 1 of 1: rank 0 \(localhost, local rank 0\) exited with code 1: rank 0: "
+                     r"stopping: rank 1 stopped answering \(\w+: \w+ at [\w/]+\.py:\d+ timed out; no heartbeat from "
+                     r"it for 5 s\); restarting all ranks from iteration \d+", live.lines[restart]), live.lines[restart]
+    assert gpt_losses_by_iteration(live.output) == expected
