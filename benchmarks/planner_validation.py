@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ptm_planner.measure import local_profile, local_speeds
 from ptm_planner.profiles import ClusterProfile
-from ptm_planner.step_model import DataParallel, StepPrediction, predict
+from ptm_planner.step_model import DataParallel, StepPrediction
 from ptm_planner.step_time import Speeds
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,9 +131,8 @@ def plan(c: Config, profile: ClusterProfile, speeds: Speeds, host_s: float = 0.0
     work = dataclasses.replace(planner.workload(ev), host_overhead_s=host_s)
     if c.zero is None or c.zero == "1":  # the DDP backend, or ZeRO-1's reduce-scatter + all-gather: the same bytes
         work = dataclasses.replace(work, data_parallel=DataParallel("ddp", overlap=True, grad_bytes=4))
-        return predict(work, profile), ZERO1 if c.zero == "1" else None
-    lanes = planner.breakdown(ev) if offload != "none" else None
-    return predict(work, profile, lanes), ev.config
+        return planner.predict(ev, work), ZERO1 if c.zero == "1" else None
+    return planner.predict(ev, work), ev.config
 
 
 def trainer_argv(c: Config, steps: int, config_path: str | None) -> list[str]:

@@ -332,8 +332,8 @@ class Supervisor:
         """An unreachable host (ssh 255) leaves an elastic job while enough nodes remain; not the node hosting the
         rendezvous store (the others cannot meet without it). The restart it causes is counted when the other
         nodes' torchrun report it, as any other."""
-        if (self.min_nodes is None or code != 255 or node.spec.node_rank == 0
-                or len(self.nodes) - 1 < self.min_nodes):
+        members = sum(not n.joining for n in self.nodes)  # a host tried again is not one until it joins
+        if self.min_nodes is None or code != 255 or node.spec.node_rank == 0 or members - 1 < self.min_nodes:
             return False
         now = time.monotonic()
         failure = Failure(node.spec.node_rank, node.spec.host, now, code)
@@ -341,9 +341,9 @@ class Supervisor:
         self.restarts.add(failure)
         self.nodes.remove(node)
         self._left[node.spec.node_rank] = now + self.rejoin_every
-        self._say(f"{failure.describe()}; going on without it on {len(self.nodes)} node(s) (--nnodes "
-                  f"{self.min_nodes}:{len(self.specs)}, the same global batch): their ranks restart; its host is "
-                  f"tried again every {self.rejoin_every:.0f} s")
+        self._say(f"{failure.describe()}; going on without it on {len(self.nodes)} node(s) (at least "
+                  f"{self.min_nodes} by --nnodes, the same global batch): their ranks restart; its host is tried "
+                  f"again every {self.rejoin_every:.0f} s")
         pending = self.restarts.pending
         if pending is not None:
             # torchrun restarts the ranks already (its rendezvous found the node gone, or a rank failed): the

@@ -175,7 +175,6 @@ def local_profile(ranks: int, threads: int = 1, nvme_path: str | None = None) ->
                           expected_error=MEASURED_HERE_ERROR)
 
 
-
 def local_speeds(profile: ClusterProfile) -> Speeds:
     """The offload lanes' speeds of a measured profile: on a CPU machine the 'device' is host memory too, so its
     Adam is the host's and its copies run at memory speed."""

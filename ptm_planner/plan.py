@@ -510,13 +510,16 @@ class Planner:
                         stage_params=max(st.numel for st in ev.stages),
                         active_params=r.model.num_parameters(active=True))
 
-    def predict(self, ev: Evaluation) -> StepPrediction | None:
-        """The predicted step of ``ev`` on the request's profile (None without one: a CPU plan without --measure)."""
+    def predict(self, ev: Evaluation, work: Workload | None = None) -> StepPrediction | None:
+        """The predicted step of ``ev`` on the request's profile (None without one: a CPU plan without --measure);
+        ``work``: ``self.workload(ev)`` as the caller changed it (benchmarks/planner_validation.py adds the trainer's
+        own time and prices a Megatron DDP run)."""
         profile = self.request.profile
         if profile is None:
             return None
         offload = self.breakdown(ev) if ev.option.offload != "none" else None
-        return predict_step(self.workload(ev), profile.with_nodes_of(self.request.mesh.nproc_per_node), offload)
+        return predict_step(work or self.workload(ev), profile.with_nodes_of(self.request.mesh.nproc_per_node),
+                            offload)
 
     def largest_rate(self, option: Option) -> Evaluation:
         """The largest prefetch_cache_sub_group_rate (share of sub-groups on the device) that fits."""

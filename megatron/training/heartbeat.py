@@ -49,19 +49,19 @@ class Heartbeat:
 
 
 def silent_ranks(every_s: float = BEAT_S) -> list[int]:
-    """The ranks whose heartbeat did not move over 2.5 beats, or that never beat; empty when the store cannot be
-    read or this rank has no heartbeat."""
+    """The ranks whose heartbeat did not move over 2.5 beats; empty when the store cannot be read or this rank
+    has no heartbeat."""
     try:
         store = _store()
+        if not store.check([f"{_KEY}{dist.get_rank()}"]):  # no heartbeats in this job: nothing to tell
+            return []
+        # Every rank made its key before training began; one that never did fails the read (its timeout): then
+        # nothing is said. Two requests per rank, however many ranks: every rank of a hung job asks at once.
         store.set_timeout(datetime.timedelta(seconds=10))
         keys = [f"{_KEY}{r}" for r in range(dist.get_world_size())]
-        beating = [r for r, key in enumerate(keys) if store.check([key])]  # a get would wait for a missing key
-        if dist.get_rank() not in beating:  # no heartbeats in this job: nothing to tell
-            return []
-        first = store.multi_get([keys[r] for r in beating])
+        first = store.multi_get(keys)
         time.sleep(2.5 * every_s)
-        second = store.multi_get([keys[r] for r in beating])
+        second = store.multi_get(keys)
     except Exception:
         return []
-    moved = {r for r, a, b in zip(beating, first, second) if a != b}
-    return [r for r in range(len(keys)) if r not in moved]
+    return [r for r, (a, b) in enumerate(zip(first, second)) if a == b]

@@ -342,8 +342,8 @@ def test_elastic_job_goes_on_without_a_host_that_vanished_and_grows_when_it_is_b
     out = live.output
     assert live.lines[left].rstrip().endswith(
         "ptm-launch: node 1 (10.77.0.2) lost its connection (ssh exit code 255: the host died, rebooted or became "
-        "unreachable); going on without it on 1 node(s) (--nnodes 1:2, the same global batch): their ranks restart; "
-        "its host is tried again every 5 s")
+        "unreachable); going on without it on 1 node(s) (at least 1 by --nnodes, the same global batch): their "
+        "ranks restart; its host is tried again every 5 s")
     assert "restart 1: all 1 node(s) rejoined" in out and "Traceback" not in out
     start = [int(re.search(r"starting at iteration (\d+)", live.lines[i])[1]) for i in (alone, both)]
     assert "TP=2 PP=1 DP=1, 4 micro-batches of 2 per step" in live.lines[alone] and start[0] in (6, 9)

@@ -104,12 +104,16 @@ def test_a_frozen_rank_ends_the_round_after_the_training_timeout_and_the_job_goe
     and the job finishes with the uninterrupted run's losses."""
     expected = tiny_gpt_losses()
     ckpt = tmp_path / "ckpt"
+    # Frozen between checkpoints (saved at 6 and 12): a checkpoint's barrier waits --distributed-timeout-minutes
+    # instead, made short here too in case a slow machine lets the ranks reach it first.
     live = LiveLauncher("--num_gpus", "2", "--max_restarts", "1", "pretrain_gpt.py", *tiny_gpt_args(),
-                        "--train-timeout-seconds", "3", "--save", str(ckpt), "--load", str(ckpt), "--save-interval",
-                        "3", env=CPU_ONLY)
+                        "--train-timeout-seconds", "3", "--distributed-timeout-minutes", "1", "--save", str(ckpt),
+                        "--load", str(ckpt), "--save-interval", "6", env=CPU_ONLY)
     try:
+        live.wait_for(re.compile(r"iteration\s+2/"), timeout=300)
+        rank1 = psutil.Process(live.workers()[1])
         live.wait_for(re.compile(r"iteration\s+7/"), timeout=300)
-        psutil.Process(live.workers()[1]).suspend()
+        rank1.suspend()
         restart = live.wait_for("ptm-launch: restart 1 of 1:", timeout=120)
         assert live.finish(timeout=300) == 0, live.output
     finally:
