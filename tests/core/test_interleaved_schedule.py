@@ -13,6 +13,7 @@ import torch
 
 from megatron.core.pipeline_parallel.interleaved import InterleavedSchedule
 from megatron.core.pipeline_parallel.model_chunks import ModelChunks, chunk_of, named_chunks
+from megatron.core.pipeline_parallel.one_f_one_b import OneFOneBSchedule
 from megatron.core.pipeline_parallel.schedules import _ReplayedMicroBatches
 from megatron.core.transformer_config import TransformerConfig
 from megatron.model.gpt_model import GPTModel
@@ -24,9 +25,10 @@ from tests.training.parallel_harness import TINY_GPT
 Event = tuple[str, int, int]  # ("F" | "B", chunk, micro-batch)
 
 
-def simulate(p: int, v: int, m: int, forward_only: bool = False) -> list[list[Event]]:
-    """Run the p ranks' schedules together; returns each rank's compute events in order."""
-    plans = [InterleavedSchedule(p, r, v, m) for r in range(p)]
+def simulate(p: int, v: int, m: int, forward_only: bool = False, schedule=None) -> list[list[Event]]:
+    """Run the p ranks' schedules together (``schedule(p, rank, v, m)``, default the interleaved one); returns
+    each rank's compute events in order."""
+    plans = [(schedule or InterleavedSchedule)(p, r, v, m) for r in range(p)]
     rounds = [plan.rounds(forward_only) for plan in plans]
     at = [0] * p  # each rank's current round
     posted: list[list[dict] | None] = [None] * p  # the operations of each rank's current exchange
@@ -112,6 +114,22 @@ def test_simulated_pipeline_order(p, v, groups, forward_only):
             assert backwards[-1] == ("B", 0, m - 1)
             last = [k for k in range(v * m) if plan.is_last_backward_of_chunk(k)]
             assert [plan.chunk(k, forward=False) for k in last] == list(reversed(range(v)))
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_one_f_one_b_rounds_run_pipedream_flush_order(p, m, forward_only):
+    """The 1F1B rounds on simulated pipelines: no deadlock, every tensor where it is needed, and each rank's
+    order is PipeDream-flush's: min(p - r - 1, m) forwards, then one forward and one backward, then the rest."""
+    events = simulate(p, 1, m, forward_only, schedule=lambda p, r, v, m: OneFOneBSchedule(p, r, m, v))
+    for r, ev in enumerate(events):
+        w = m if forward_only else min(p - r - 1, m)
+        expected = [("F", 0, k) for k in range(w)]
+        for k in range(m - w):
+            expected += [("F", 0, w + k)] + ([] if forward_only else [("B", 0, k)])
+        expected += [] if forward_only else [("B", 0, k) for k in range(m - w, m)]
+        assert ev == expected, (r, ev)
 
 
 def test_order_of_a_small_pipeline():

@@ -16,28 +16,13 @@ neighbour, so the channel from a stage to its neighbour carries the tensors in t
 them, and no two neighbours wait on each other (``tests/core/test_interleaved_schedule.py`` checks both on every
 rank of simulated pipelines).
 
-This module is pure bookkeeping (no tensors, no communication): ``schedules.py`` runs the rounds.
+This module is pure bookkeeping (no tensors, no communication; ``rounds.py``): ``schedules.py`` runs the rounds.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class Round:
-    """Compute, then one combined exchange with both neighbours.
-
-    ``forward`` / ``backward``: the virtual micro-batch whose forward / backward runs first (forward before
-    backward), None for none. ``send_forward``: the forward's output goes to the next stage; ``send_backward``:
-    the backward's input gradient goes to the previous stage. ``recv_forward`` / ``recv_backward``: the model
-    chunk whose input activation / output gradient arrives in the exchange, None for none.
-    """
-    forward: int | None = None
-    backward: int | None = None
-    send_forward: bool = False
-    send_backward: bool = False
-    recv_forward: int | None = None
-    recv_backward: int | None = None
+from megatron.core.pipeline_parallel.rounds import Round
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,9 @@
 """Point-to-point transfers of activations and gradients between adjacent pipeline stages.
 
-Every call posts all its sends and receives together (``batch_isend_irecv``)
-and waits for them, so paired calls on neighbouring stages (send_forward +
-recv_forward, send_forward_recv_backward + send_backward_recv_forward) cannot
-deadlock. Shapes are static: every micro-batch activation is
-[micro_batch_size, seq_length, hidden_size].
+``exchange`` posts all its sends and receives together (``batch_isend_irecv``)
+and waits for them, so a round's exchange on one stage and its neighbours'
+(``rounds.py``: each send meets a receive) cannot deadlock. Shapes are static:
+every micro-batch activation is [micro_batch_size, seq_length, hidden_size].
 
 The next and previous ranks wrap around the pipeline: under the interleaved
 schedule the last stage sends its chunk's output to the first stage's next
@@ -56,37 +55,3 @@ def exchange(spec: TensorSpec, send_next: torch.Tensor | None = None, send_prev:
         for req in dist.batch_isend_irecv(ops):
             req.wait()
     return from_prev, from_next
-
-
-def recv_forward(spec: TensorSpec) -> torch.Tensor | None:
-    if ps.is_pipeline_first_stage():
-        return None
-    return exchange(spec, recv_prev=True)[0]
-
-
-def recv_backward(spec: TensorSpec) -> torch.Tensor | None:
-    if ps.is_pipeline_last_stage():
-        return None
-    return exchange(spec, recv_next=True)[1]
-
-
-def send_forward(output: torch.Tensor, spec: TensorSpec) -> None:
-    if not ps.is_pipeline_last_stage():
-        exchange(spec, send_next=output)
-
-
-def send_backward(input_grad: torch.Tensor | None, spec: TensorSpec) -> None:
-    if not ps.is_pipeline_first_stage():
-        exchange(spec, send_prev=input_grad)
-
-
-def send_forward_recv_backward(output: torch.Tensor, spec: TensorSpec) -> torch.Tensor | None:
-    if ps.is_pipeline_last_stage():
-        return None
-    return exchange(spec, send_next=output, recv_next=True)[1]
-
-
-def send_backward_recv_forward(input_grad: torch.Tensor | None, spec: TensorSpec) -> torch.Tensor | None:
-    if ps.is_pipeline_first_stage():
-        return None
-    return exchange(spec, send_prev=input_grad, recv_prev=True)[0]

@@ -5,11 +5,14 @@ micro-batch through this stage; on the last stage ``loss_func(output)`` returns
 ``(loss, stats)``. Each micro-batch's loss is divided by the number of
 micro-batches, so the accumulated gradients are those of the batch mean.
 
-Three schedules: no pipelining, PipeDream-flush 1F1B, and with virtual pipeline
-stages (the model a ``ModelChunks`` of v chunks) the interleaved 1F1B
-(``interleaved.py`` holds its order). Under interleaving every chunk runs every
-micro-batch, so ``forward_step_func`` is handed an iterator per chunk that
-replays the step's micro-batches, each read from ``data_iterator`` once.
+Without pipelining the micro-batches run one after another. With it, a schedule
+object (``PipelineSchedule``) lists each rank's rounds of compute and exchange
+with its neighbours, and one loop runs them: PipeDream-flush 1F1B
+(``one_f_one_b.py``), or with virtual pipeline stages (the model a
+``ModelChunks`` of v chunks) the interleaved 1F1B (``interleaved.py``). Under
+interleaving every chunk runs every micro-batch, so ``forward_step_func`` is
+handed an iterator per chunk that replays the step's micro-batches, each read
+from ``data_iterator`` once.
 
 Gradient synchronisation across data-parallel ranks is held back (``no_sync``)
 for every backward except the last one that a parameter sees in the step: the
@@ -28,6 +31,8 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import p2p_communication as p2p
 from megatron.core.pipeline_parallel.interleaved import InterleavedSchedule
 from megatron.core.pipeline_parallel.model_chunks import ModelChunks
+from megatron.core.pipeline_parallel.one_f_one_b import OneFOneBSchedule
+from megatron.core.pipeline_parallel.rounds import PipelineSchedule
 
 ForwardStepFunc = Callable[[Iterator, torch.nn.Module], tuple[torch.Tensor, Callable]]
 
@@ -102,6 +107,13 @@ class _Step:
         return input_tensor.grad if input_tensor is not None else None
 
 
+def pipeline_schedule(stages: int, rank: int, chunks: int, microbatches: int) -> PipelineSchedule:
+    """This pipeline rank's schedule: the interleaved 1F1B with several model chunks per stage, else 1F1B."""
+    if chunks > 1:
+        return InterleavedSchedule(stages, rank, chunks, microbatches)
+    return OneFOneBSchedule(stages, rank, microbatches)
+
+
 def forward_backward(forward_step_func: ForwardStepFunc, data_iterator, model, *, num_microbatches: int,
                      spec: p2p.TensorSpec, forward_only: bool = False,
                      grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -109,14 +121,12 @@ def forward_backward(forward_step_func: ForwardStepFunc, data_iterator, model, *
     """Run one global batch; returns the loss stats of each micro-batch (on the last stage, else [])."""
     step = _Step(forward_step_func, data_iterator, model, num_microbatches, grad_scale_func)
     no_sync = no_sync or contextlib.nullcontext
-    if ps.get_pipeline_model_parallel_world_size() == 1:
+    stages = ps.get_pipeline_model_parallel_world_size()
+    if stages == 1:
         _no_pipelining(step, forward_only, no_sync)
-    elif step.chunks > 1:
-        schedule = InterleavedSchedule(ps.get_pipeline_model_parallel_world_size(),
-                                       ps.get_pipeline_model_parallel_rank(), step.chunks, num_microbatches)
-        _interleaved(step, schedule, spec, forward_only, no_sync)
     else:
-        _one_f_one_b(step, spec, forward_only, no_sync)
+        schedule = pipeline_schedule(stages, ps.get_pipeline_model_parallel_rank(), step.chunks, num_microbatches)
+        _run_rounds(step, schedule, spec, forward_only, no_sync)
     return step.stats
 
 
@@ -130,61 +140,9 @@ def _no_pipelining(step: _Step, forward_only: bool, no_sync) -> None:
                 step.backward(None, output, None)
 
 
-def _one_f_one_b(step: _Step, spec: p2p.TensorSpec, forward_only: bool, no_sync) -> None:
-    """PipeDream-flush 1F1B: warm-up forwards, steady one-forward-one-backward, cool-down backwards."""
-    m = step.num_microbatches
-    warmup = min(ps.get_pipeline_model_parallel_world_size() - ps.get_pipeline_model_parallel_rank() - 1, m)
-    steady = m - warmup
-    inputs, outputs = [], []
-    grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
-    backwards_done = 0
-
-    def backward(input_tensor, output_tensor, output_grad):
-        nonlocal backwards_done
-        backwards_done += 1
-        sync = backwards_done == m  # only the step's last backward reduces gradients
-        with contextlib.nullcontext() if sync else no_sync():
-            return step.backward(input_tensor, output_tensor, output_grad)
-
-    for _ in range(warmup):
-        input_tensor = p2p.recv_forward(spec)
-        with grad_ctx:
-            output = step.forward(input_tensor)
-        p2p.send_forward(output, spec)
-        if not forward_only:
-            inputs.append(input_tensor)
-            outputs.append(output)
-
-    input_tensor = p2p.recv_forward(spec) if steady > 0 else None
-    for i in range(steady):
-        last = i == steady - 1
-        with grad_ctx:
-            output = step.forward(input_tensor)
-        if forward_only:
-            p2p.send_forward(output, spec)
-            input_tensor = None if last else p2p.recv_forward(spec)
-            continue
-        output_grad = p2p.send_forward_recv_backward(output, spec)
-        inputs.append(input_tensor)
-        outputs.append(output)
-        input_grad = backward(inputs.pop(0), outputs.pop(0), output_grad)
-        if last:
-            input_tensor = None
-            p2p.send_backward(input_grad, spec)
-        else:
-            input_tensor = p2p.send_backward_recv_forward(input_grad, spec)
-
-    if forward_only:
-        return
-    for _ in range(warmup):
-        output_grad = p2p.recv_backward(spec)
-        input_grad = backward(inputs.pop(0), outputs.pop(0), output_grad)
-        p2p.send_backward(input_grad, spec)
-
-
-def _interleaved(step: _Step, schedule: InterleavedSchedule, spec: p2p.TensorSpec, forward_only: bool,
-                 no_sync) -> None:
-    """Interleaved 1F1B: run ``schedule``'s rounds; received tensors wait in per-chunk queues for their turn."""
+def _run_rounds(step: _Step, schedule: PipelineSchedule, spec: p2p.TensorSpec, forward_only: bool,
+                no_sync) -> None:
+    """Run ``schedule``'s rounds; received tensors wait in per-chunk queues for their turn."""
     chunks = schedule.chunks
     inputs: list[deque] = [deque() for _ in range(chunks)]  # received activations, by chunk, in micro-batch order
     grads: list[deque] = [deque() for _ in range(chunks)]  # received output gradients
