@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the ranks is planned and the fastest predicted wins (ptm_planner/mesh_search.py)")
     g.add_argument("--explain", action="store_true",
                    help="print the chosen configuration's predicted step part by part, and the runners-up")
+    g = p.add_argument_group("in-memory snapshots (the trainer's flags)")
+    g.add_argument("--non-persistent-ckpt-type", choices=["local"], default=None,
+                   help="count the snapshots each rank keeps in host memory")
+    g.add_argument("--replication", action="store_true", help="... and the copy it keeps of a peer's")
     g = p.add_argument_group("output")
     g.add_argument("--offload", choices=["auto", *OFFLOADS], default="auto",
                    help="restrict the plan to one offload mode (default: the fastest that fits)")
@@ -277,8 +281,9 @@ def request_from_args(argv: list[str]) -> tuple[Request, argparse.Namespace]:
     if args.gradient_accumulation_steps <= 0:
         raise ValueError(f"--gradient-accumulation-steps must be > 0 (got {args.gradient_accumulation_steps})")
     profile, speeds = cluster_from_args(args, hardware) or (None, None)
+    copies = 0 if args.non_persistent_ckpt_type is None else 2 if args.replication else 1
     return Request(model, mesh, hardware, args.micro_batch_size, offloads, args.make_vocab_size_divisible_by,
-                   known.size, speeds, args.gradient_accumulation_steps, layout, profile), args
+                   known.size, speeds, args.gradient_accumulation_steps, layout, profile, copies), args
 
 
 def main(argv: list[str] | None = None) -> int:

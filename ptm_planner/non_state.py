@@ -60,6 +60,7 @@ class NonState:
     overhead_device: int
     overhead_host: int
     offloaded: int = 0  # activations --cpu-offloading moved to host memory, with the chosen recompute setting
+    snapshots: int = 0  # in-memory snapshots (--non-persistent-ckpt-type local) in host memory
 
     @property
     def device_side(self) -> int:
@@ -68,7 +69,7 @@ class NonState:
 
     @property
     def host_side(self) -> int:
-        return self.overhead_host + self.offloaded
+        return self.overhead_host + self.offloaded + self.snapshots
 
 
 def layer_activation_bytes(cfg: TransformerConfig, micro_batch: int, tp: int, moe: bool = False) -> float:

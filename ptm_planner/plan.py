@@ -90,6 +90,7 @@ class Request:
     accumulation_steps: int = 1  # micro-batches per step, for the step prediction
     layout: ActivationLayout = ActivationLayout()  # sequence/context parallelism, interleaving, recompute, offload
     profile: ClusterProfile | None = None  # with an accelerator: the step-time model's cluster (step_model.py)
+    snapshot_copies: int = 0  # in-memory snapshots held per rank: 1 its own, 2 with --replication's copy
 
     @property
     def dtype(self) -> torch.dtype:
@@ -319,11 +320,15 @@ class Planner:
         # hpZ keeps 1/node of every partitioned dense chunk as its secondary shard, in the compute dtype.
         secondary = (sum(c.padded for c in plans if not c.resident and c.group != EXPERT_GROUP)
                      // r.mesh.node_shard_dp if option.layout == "hpz" else 0)
-        return non_state(r.model, r.mesh, stage, plans, micro_batch=option.micro_batch_size,
-                         recompute=option.recompute, arena=self.arena(option), cpu=self.cpu,
-                         overhead=r.hardware.overhead, layout=r.layout,
-                         results_miss_shards=option.offload in ("nvme", "cpu+nvme") or r.accumulation_steps > 1,
-                         secondary=secondary)
+        ns = non_state(r.model, r.mesh, stage, plans, micro_batch=option.micro_batch_size,
+                       recompute=option.recompute, arena=self.arena(option), cpu=self.cpu,
+                       overhead=r.hardware.overhead, layout=r.layout,
+                       results_miss_shards=option.offload in ("nvme", "cpu+nvme") or r.accumulation_steps > 1,
+                       secondary=secondary)
+        # A snapshot holds the shard's fp32 masters and both Adam moments; the next one is written before the
+        # previous one is removed.
+        snapshots = r.snapshot_copies * 2 * 12 * sum(c.shard for c in plans)
+        return dataclasses.replace(ns, snapshots=snapshots) if snapshots else ns
 
     def keep_choices(self) -> tuple[bool, ...]:
         """keep_gathered, fastest first: on an accelerator the gathered parameters stay for the backward when

@@ -356,13 +356,18 @@ def table(p: Plan, sources: dict[str, str]) -> str:
         for tier in TIERS:
             vals = [states.get((k, tier), 0) for k in ("params", "grads", "optimizer")]
             staging = st.states.staging if tier == HOST else 0
+            host = [0, 0, ns.offloaded, 0, ns.overhead_host + ns.snapshots]
             nonst = [ns.gathered, ns.reduce_buffers, ns.activations, ns.logits, ns.overhead_device] \
-                if tier == DEVICE else [0, 0, ns.offloaded, 0, ns.overhead_host] if tier == HOST else [0] * 5
+                if tier == DEVICE else host if tier == HOST else [0] * 5
             total = st.need()[tier]
             rows.append([tier] + [f"{v / GiB:.3f}" for v in vals + [staging] + nonst + [total]])
         widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
         out += ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
         offloaded = f", {format_bytes(ns.offloaded)} of them offloaded to host memory" if ns.offloaded else ""
+        if ns.snapshots:
+            out.append(f"  in-memory snapshots: {format_bytes(ns.snapshots)} of host memory (in its overhead column): "
+                       f"the shard's fp32 parameters and Adam moments, {r.snapshot_copies} cop"
+                       f"{'ies' if r.snapshot_copies > 1 else 'y'}, twice while the next is written")
         out.append(f"  activations: {format_bytes(ns.activations_full)} with recompute {recompute_text(r, False)}, "
                    f"{format_bytes(ns.activations_recompute)} with full recompute{offloaded}; sub-groups "
                    f"{st.states.sub_groups} ({st.states.cached_sub_groups} on the device); SSD page files "

@@ -77,9 +77,10 @@ def summarize(result: JobResult, skip: int = 1) -> Summary | None:
 
 
 def run_job(spec: ClusterSpec, argv: list[str], timeout_s: float, echo: Callable[[str], None] | None = None,
-            port: int = 29500, python: str = sys.executable) -> JobResult:
+            port: int = 29500, python: str = sys.executable, stop_at: re.Pattern | None = None) -> JobResult:
     """Run ``argv`` (a script and its arguments, or ``-m module ...``) under ``python``'s torchrun on every
-    host; ``echo`` gets the output lines as they come."""
+    host; ``echo`` gets the output lines as they come. ``stop_at``: the job is stopped (not failed) once a line
+    matches it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "GLOO_SOCKET_IFNAME": "eth0"}  # the host's own address: peers on the host then go over its lo
     before = last = counters.read(spec.namespaces)
@@ -94,6 +95,7 @@ def run_job(spec: ClusterSpec, argv: list[str], timeout_s: float, echo: Callable
     by_host: list[list[str]] = [[] for _ in procs]
     steps: list[Step] = []
     lock = threading.Lock()
+    stop = threading.Event()
 
     def read(host: int) -> None:
         nonlocal last
@@ -104,6 +106,8 @@ def run_job(spec: ClusterSpec, argv: list[str], timeout_s: float, echo: Callable
                 output.append(f"{spec.address(host)}: {line}")
                 if echo:
                     echo(output[-1])
+                if stop_at is not None and stop_at.search(line):
+                    stop.set()
                 if step := parse_step(line):
                     now = counters.read(spec.namespaces)
                     step.links = now - last
@@ -119,7 +123,7 @@ def run_job(spec: ClusterSpec, argv: list[str], timeout_s: float, echo: Callable
     failure, code, bad = None, 0, None
     deadline = time.monotonic() + timeout_s
     try:
-        while any(p.poll() is None for p in procs):
+        while any(p.poll() is None for p in procs) and not stop.is_set():
             bad = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
             if bad is not None:  # the first host to fail, before the others are stopped
                 break
@@ -131,7 +135,7 @@ def run_job(spec: ClusterSpec, argv: list[str], timeout_s: float, echo: Callable
         _stop(procs)
         for reader in readers:
             reader.join(timeout=30)
-    if failure is None and bad is None:
+    if failure is None and bad is None and not stop.is_set():
         bad = next((i for i, p in enumerate(procs) if p.returncode), None)
     if failure is None and bad is not None:
         code = procs[bad].returncode
@@ -140,7 +144,9 @@ def run_job(spec: ClusterSpec, argv: list[str], timeout_s: float, echo: Callable
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM to each torchrun's session (torchrun passes it to its ranks), SIGKILL after a grace period."""
+    """SIGTERM to each torchrun's session (torchrun passes it to its ranks), SIGKILL after a grace period; then
+    SIGKILL to what is left of the sessions (helpers such as multiprocessing's resource tracker ignore SIGTERM
+    and would hold the output pipes open)."""
     for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, STOP_GRACE_S)):
         running = [p for p in procs if p.poll() is None]
         for p in running:
@@ -153,6 +159,11 @@ def _stop(procs: list[subprocess.Popen]) -> None:
                 p.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
                 pass
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _tail(lines: list[str]) -> str:

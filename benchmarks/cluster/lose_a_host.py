@@ -11,6 +11,10 @@ random host other than the first away as a power loss does: its link down first 
 then every process of it killed. Per try: the iteration of the loss, where training resumed, the seconds from
 the loss to the next step trained, and the largest relative difference of any loss from the reference's. The
 launcher's ssh options are its defaults (a silent host is noticed after 3 keepalives of 10 s).
+
+``--snapshot-interval N`` adds in-memory snapshots every N iterations copied to the next host (--replication):
+the restart then resumes from the newest snapshot that survived, and the table says where each resume read from
+and how long the restore took.
 """
 from __future__ import annotations
 
@@ -30,6 +34,9 @@ from benchmarks.cluster.hosts import REPO, ClusterSpec, EmulatedCluster
 
 ITERS = 20
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*lm loss: ([0-9.E+-]+)")
+# the trainer's line after a resume: from the in-memory snapshots, or from the checkpoint under --load
+RESTORE = re.compile(r"> (restored) iteration \d+ from the in-memory snapshots .* in ([0-9.]+) s|"
+                     r"> loaded checkpoint .* in ([0-9.]+) s")
 
 
 def gpt_args(iters: int, global_batch: int) -> list[str]:
@@ -86,14 +93,18 @@ def power_loss(namespace: str, spec: ClusterSpec) -> None:
 
 
 def one_try(spec: ClusterSpec, args: list[str], min_nodes: int, rng: random.Random,
-            reference: dict[int, float]) -> dict:
+            reference: dict[int, float], snapshot_interval: int | None) -> dict:
     victim = rng.randrange(1, spec.hosts)
     lose_after = rng.randrange(4, ITERS - 5)
-    with tempfile.TemporaryDirectory(prefix="ptm-lose-") as ckpt:
+    with tempfile.TemporaryDirectory(prefix="ptm-lose-") as ckpt, \
+            tempfile.TemporaryDirectory(prefix="ptm-lose-", dir="/dev/shm") as memory:
+        snapshots = [] if snapshot_interval is None else [
+            "--non-persistent-ckpt-type", "local", "--non-persistent-save-interval", str(snapshot_interval),
+            "--non-persistent-local-ckpt-dir", memory, "--replication"]
         argv = ["ip", "netns", "exec", spec.namespace(0), sys.executable, "-m", "ptm_launch", "--hostfile",
                 str(spec.dir / "hostfile"), "--launcher_args", f"-F {spec.dir / 'ssh_config'}", "--nnodes",
                 f"{min_nodes}:{spec.hosts}", "--max_restarts", "1", "pretrain_gpt.py", *args, "--save", ckpt,
-                "--load", ckpt, "--save-interval", "3"]
+                "--load", ckpt, "--save-interval", "3", *snapshots]
         proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, "GLOO_SOCKET_IFNAME": "eth0"}, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         out = Output(proc)
@@ -129,10 +140,13 @@ def _watch(spec: ClusterSpec, proc: subprocess.Popen, out: Output, victim: int, 
     code = proc.wait(timeout=600)
     got = {**losses(out.lines[:left]), **losses(out.lines[model:])}
     resumed = int(re.search(r"starting at iteration (\d+)", out.lines[model])[1])
+    restore = next((m for line in out.lines[left:model] if (m := RESTORE.search(line))), None)
     worst = max(abs(got[i] - reference[i]) / abs(reference[i]) for i in got)
     complete = sorted(got) == list(range(1, ITERS + 1))
     return {"victim": spec.address(victim), "lost_after": lose_after, "resumed": resumed, "back_s": back_s,
             "worst": worst, "ok": code == 0 and complete and worst <= 1e-5, "code": code,
+            "source": "?" if restore is None else "memory" if restore[1] else "storage",
+            "restore_s": float(restore[2] or restore[3]) if restore else float("nan"),
             "mesh": re.search(r"mesh (.*?), \d+ micro", out.lines[model])[1]}
 
 
@@ -143,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-nodes", type=int, default=2)
     p.add_argument("--tries", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--snapshot-interval", type=int, default=None,
+                   help="also take in-memory snapshots every N iterations, copied to another host")
     p.add_argument("--out", type=Path, default=None, help="also write the table here (markdown)")
     a = p.parse_args(argv)
     if not 1 <= a.min_nodes < a.hosts or a.ranks_per_host != 2:
@@ -165,21 +181,22 @@ def main(argv: list[str] | None = None) -> int:
     with EmulatedCluster(spec):
         for n in range(1, a.tries + 1):
             try:
-                row = one_try(spec, args, a.min_nodes, rng, reference)
+                row = one_try(spec, args, a.min_nodes, rng, reference, a.snapshot_interval)
             except (TimeoutError, subprocess.TimeoutExpired) as exc:  # the job did not go on: that try failed
                 row = {"victim": "?", "lost_after": "?", "resumed": "?", "back_s": float("inf"), "worst": float("inf"),
-                       "ok": False, "code": str(exc), "mesh": "?"}
+                       "ok": False, "code": str(exc), "mesh": "?", "source": "?", "restore_s": float("nan")}
             rows.append(row)
             print(f"try {n}: {row}", flush=True)
     lines = [f"{a.hosts} hosts x {a.ranks_per_host} ranks, ZeRO-3 GPT (TP 2 per host), global batch {global_batch}, "
-             f"--nnodes {a.min_nodes}:{a.hosts}, {ITERS} iterations, checkpoints every 3; a random host other than "
-             f"the first loses its link, then every process",
-             "", "| try | host lost | after iteration | resumed from | mesh after | loss to next step (s) | "
-             "largest loss difference | finished |", "|---|---|---|---|---|---|---|---|"]
+             f"--nnodes {a.min_nodes}:{a.hosts}, {ITERS} iterations, checkpoints every 3"
+             f"{f', in-memory snapshots every {a.snapshot_interval}' if a.snapshot_interval else ''}; a random host "
+             f"other than the first loses its link, then every process",
+             "", "| try | host lost | after iteration | resumed from | read from | restore (s) | mesh after | "
+             "loss to next step (s) | largest loss difference | finished |", "|---" * 10 + "|"]
     for n, r in enumerate(rows, 1):
         finished = "yes" if r["ok"] else f"NO (exit {r['code']})"
-        lines.append(f"| {n} | {r['victim']} | {r['lost_after']} | {r['resumed']} | {r['mesh']} | {r['back_s']:.1f} "
-                     f"| {r['worst']:.1e} | {finished} |")
+        lines.append(f"| {n} | {r['victim']} | {r['lost_after']} | {r['resumed']} | {r['source']} | "
+                     f"{r['restore_s']:.2f} | {r['mesh']} | {r['back_s']:.1f} | {r['worst']:.1e} | {finished} |")
     backs = sorted(r["back_s"] for r in rows)
     lines += ["", f"{sum(r['ok'] for r in rows)}/{len(rows)} finished with the reference's losses (within 1e-5); "
                   f"loss to next step: median {backs[len(backs) // 2]:.1f} s, max {backs[-1]:.1f} s"]

@@ -7,9 +7,14 @@ the ranks gather the times (one all-gather, on every rank at the same point of t
 prints the fastest, median and slowest. A rank slower than the median by ``--straggler-factor`` for
 ``--straggler-intervals`` log intervals in a row is named in one line, with its host; every further such run
 of intervals names it again.
+
+With them go each rank's mean step time since the last check and, where the engine profiles its collectives
+(``is_communication_time_profiling``), the time it sat blocked in them in the last step: one line listing every
+rank (the extremes only past 32 ranks). The rank that waits least is the one the others wait for.
 """
 from __future__ import annotations
 
+import math
 import socket
 import statistics
 import time
@@ -60,16 +65,21 @@ class StragglerDetector:
         dist.all_gather_object(self.hosts, socket.gethostname(), group=group)
         self.streaks = [0] * len(self.hosts)
 
-    def check(self) -> list[str]:
-        mine = torch.tensor([self.probe(self.device)], dtype=torch.float64, device=self.device)
+    def check(self, step_seconds: float | None = None, waited_seconds: float | None = None) -> list[str]:
+        """Probe, gather, judge; ``step_seconds``: this rank's mean step time since the last check,
+        ``waited_seconds``: its time blocked in collectives in the last step (None: not measured)."""
+        mine = torch.tensor([self.probe(self.device), _or_nan(step_seconds), _or_nan(waited_seconds)],
+                            dtype=torch.float64, device=self.device)
         every = [torch.empty_like(mine) for _ in self.hosts]
         dist.all_gather(every, mine, group=self.group)
-        times = [t.item() for t in every]
+        times = [t[0].item() for t in every]
         median = statistics.median(times)
         fastest, slowest = min(range(len(times)), key=times.__getitem__), max(range(len(times)), key=times.__getitem__)
         lines = [f"straggler check: matmul probe {median * 1e3:.2f} ms median, fastest rank {fastest} "
                  f"{times[fastest] * 1e3:.2f} ms, slowest rank {slowest} {times[slowest] * 1e3:.2f} ms "
                  f"({times[slowest] / median:.2f}x the median)"]
+        if step_seconds is not None:
+            lines.append(_per_rank_line([t.tolist() for t in every]))
         for rank, t in enumerate(times):
             self.streaks[rank] = self.streaks[rank] + 1 if t > self.cfg.factor * median else 0
             if self.streaks[rank] and self.streaks[rank] % self.cfg.intervals == 0:
@@ -78,3 +88,23 @@ class StragglerDetector:
                              f"{t * 1e3:.2f} ms against {median * 1e3:.2f} ms); every rank waits for it in each "
                              f"collective: check its clocks, temperature and neighbours, or leave its host out")
         return lines
+
+
+def _or_nan(value: float | None) -> float:
+    return math.nan if value is None else value
+
+
+def _per_rank_line(rows: list[list[float]], most: int = 32) -> str:
+    """'rank: step s, waited s' for every rank (the fastest and slowest steps and the least and most waiting
+    past ``most`` ranks)."""
+    def field(rank: int) -> str:
+        _, step, waited = rows[rank]
+        return f"{rank}: {step:.3f}" + ("" if math.isnan(waited) else f"/{waited:.3f}")
+    ranks = list(range(len(rows)))
+    if len(rows) > most:
+        by_step = sorted(ranks, key=lambda r: rows[r][1])
+        by_wait = sorted(ranks, key=lambda r: rows[r][2])
+        ranks = sorted({by_step[0], by_step[-1], by_wait[0], by_wait[-1]})
+    waited = not any(math.isnan(row[2]) for row in rows)
+    what = "step s / blocked in collectives s" if waited else "step s"
+    return f"straggler check: per rank ({what}): {', '.join(field(r) for r in ranks)}"

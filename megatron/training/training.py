@@ -186,11 +186,13 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
     backend.model.train()
     last_grad_norm = None
     saved_at = None  # the iteration of the last save
+    step_seconds: list[float] = []  # this rank's step times since the last log line
     with attention:
         while iteration < t.train_iters:
             lr = scheduler.get_lr()
             batch = par.schedule.global_batch_size(consumed)
             housekeeping.before_step(iteration)
+            step_started = time.perf_counter()
             loss, step = train_step(backend, forward_step_func, train_iter, spec, par.microbatches(batch), lr,
                                     before_update=checkpoints.wait_before_update)
             if step.update_successful:
@@ -202,6 +204,7 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
             timeouts.training()
             housekeeping.after_step(iteration)
             result.lrs[iteration] = lr
+            step_seconds.append(time.perf_counter() - step_started)
             if offload_stats is not None:
                 result.offloaded_bytes[iteration] = offload_stats.offloaded_bytes
             if loss is not None:
@@ -216,8 +219,12 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
                 logger.log(iteration, consumed, lr, step.loss_scale, last_grad_norm, backend.memory_tiers(),
                            comm=backend.comm_stats(), moe=moe,
                            offload=dataclasses.asdict(offload_stats) if offload and offload.moves_anything else None)
-                for line in stragglers.check() if stragglers is not None else ():
-                    run_log.print(line)
+                if stragglers is not None:
+                    comm = backend.comm_stats()
+                    waited = sum(m.wait_seconds for m in comm.measured.values()) if comm is not None else None
+                    for line in stragglers.check(sum(step_seconds) / len(step_seconds), waited):
+                        run_log.print(line)
+                step_seconds.clear()
             if valid_iter is not None and iteration % t.eval_interval == 0:
                 housekeeping.around_eval()
                 logger.log_eval(iteration, evaluate(backend, forward_step_func, valid_iter, spec,
@@ -228,6 +235,8 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
                 with timeouts.long():
                     checkpoints.save(iteration, consumed)
                 saved_at = iteration
+            if checkpoints.snapshot_due(iteration) and not decision.stop and iteration < t.train_iters:
+                checkpoints.save_snapshot(iteration, consumed)
             if decision.stop:
                 saved = f"after saving it to {ck.save}" if ck.save else "without a checkpoint (no --save)"
                 run_log.print(f"> {decision.reason}: stopping at iteration {iteration} {saved}")

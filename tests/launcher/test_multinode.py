@@ -357,3 +357,53 @@ def test_elastic_job_goes_on_without_a_host_that_vanished_and_grows_when_it_is_b
     for losses in (before, by_one, by_two):  # DP 1: the gradients are summed in another order
         assert losses == pytest.approx({i: reference[i] for i in losses}, rel=1e-5)
     assert back_s < 120
+
+
+SNAPSHOT_ITERS = 14
+
+
+def test_lost_host_is_restored_from_the_copies_its_peer_kept_in_memory(hosts, tmp_path):
+    """--nnodes 1:2 with snapshots every 2 iterations copied to the other host (--replication) and no checkpoint
+    in storage before the end: the second host vanishes (link down, then its processes), and the first host
+    alone resumes from the newest snapshot, the second host's shards taken from the copies in its own memory,
+    nothing read from storage; the losses are the uninterrupted run's."""
+    reference = {i: float(v) for i, v in _single_host_losses(_zero3_args(SNAPSHOT_ITERS)).items()}
+    ckpt, shm = tmp_path / "ckpt", tmp_path / "shm"
+    snapshots = ["--save", str(ckpt), "--load", str(ckpt), "--save-interval", "1000", "--non-persistent-ckpt-type",
+                 "local", "--non-persistent-save-interval", "2", "--non-persistent-local-ckpt-dir", str(shm),
+                 "--replication"]
+    keepalive = ("-o", "ServerAliveInterval=2", "-o", "ServerAliveCountMax=3")
+    live = LiveLauncher(*_ssh_args(hosts, *keepalive), "--nnodes", "1:2", "--max_restarts", "1", "pretrain_gpt.py",
+                        *_zero3_args(SNAPSHOT_ITERS), *snapshots, netns=hosts.namespaces[0], env=GLOO_ENV)
+    second = hosts.namespaces[1]
+    try:
+        seen = live.wait_for(re.compile(r"iteration\s+7/"), timeout=300)
+        subprocess.run(["ip", "-n", second, "link", "set", "eth0", "down"], check=True)
+        for pid in hosts.job_pids(second):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        left = live.wait_for("going on without it", timeout=60, after=seen)
+        restored = live.wait_for("> restored iteration", timeout=240, after=left)
+        assert live.finish(timeout=300) == 0, live.output
+    finally:
+        subprocess.run(["ip", "-n", second, "link", "set", "eth0", "up"], check=True)
+        if live.proc.poll() is None:
+            live.proc.kill()
+        hosts.kill_jobs()
+    line = live.lines[restored]
+    assert re.search(r"restored iteration (4|6) from the in-memory snapshots of 1 host\(s\) .*nothing read from "
+                     r"--load", line), line
+    assert "loaded checkpoint" not in live.output and "Traceback" not in live.output
+    start = int(re.search(r"restored iteration (\d+)", line)[1])
+    before = {i: float(v) for i, v in gpt_losses_by_iteration(live.lines[:left]).items()}
+    after = {i: float(v) for i, v in gpt_losses_by_iteration(live.lines[restored:]).items()}
+    assert max(before) >= 7 and sorted(after) == list(range(start + 1, SNAPSHOT_ITERS + 1))
+    for losses in (before, after):  # DP 1 after the loss: the gradients are summed in another order
+        assert losses == pytest.approx({i: reference[i] for i in losses}, rel=1e-5)
+    # Each host kept its ranks' snapshot files and the other host's copies; the survivor's went at the clean end.
+    (survivor,) = [d for d in shm.iterdir() if "-10.77.0.1" in d.name]
+    (lost,) = [d for d in shm.iterdir() if "-10.77.0.2" in d.name]
+    assert list(survivor.iterdir()) == []
+    assert {f.name for d in lost.iterdir() for f in d.iterdir()} >= {f"__{r}_0.distcp" for r in range(4)}

@@ -79,3 +79,19 @@ def test_a_lowered_micro_batch_and_a_searched_length_are_named(capsys):
                                  "--longest-seq"], capsys)
     assert planned["seq_length_from"] == "longest-seq"
     assert f"sequence length {planned['seq_length']} (the longest that fits, found by --longest-seq)" in text
+
+
+def test_in_memory_snapshots_are_counted_in_host_memory(capsys):
+    """--non-persistent-ckpt-type local: each rank's shard of fp32 parameters and both Adam moments, twice while
+    the next snapshot is written, and twice again with --replication's copy of a peer's."""
+    def plan(*extra: str) -> dict:
+        assert main(["--size", "default", *BOX, "--offload", "none", "--json", *extra]) == EXIT_FITS
+        return json.loads(capsys.readouterr().out)
+
+    plain, own, both = plan(), plan("--non-persistent-ckpt-type", "local"), plan(
+        "--non-persistent-ckpt-type", "local", "--replication")
+    shard = -(-sizes.get_size("default").num_parameters() // 2)  # DP 2 (chunk padding adds a little)
+    snapshot = [p["stages"][0]["nonstate"]["snapshots"] for p in (plain, own, both)]
+    assert snapshot[0] == 0 and snapshot[2] == 2 * snapshot[1]
+    assert 2 * 12 * shard <= snapshot[1] <= 2 * 12 * shard * 1.05
+    assert both["stages"][0]["need"]["host"] == plain["stages"][0]["need"]["host"] + snapshot[2]

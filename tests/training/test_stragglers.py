@@ -41,6 +41,20 @@ def test_a_rank_slow_for_the_set_intervals_in_a_row_is_named_on_every_rank():
                              "rank 2 2000.00 ms (2.00x the median)")
 
 
+def _with_step_times(rank, world_size):
+    detector = StragglerDetector(StragglerConfig(), torch.device("cpu"), probe=lambda device: 1.0)
+    return detector.check(step_seconds=1.0 + rank / 8, waited_seconds=0.5 - rank / 4), detector.check(0.25)
+
+
+def test_each_rank_step_and_collective_times_are_logged_on_one_line():
+    outs = run_distributed(_with_step_times, 2)
+    assert outs[0] == outs[1]
+    profiled, plain = outs[0]
+    assert profiled[1] == ("straggler check: per rank (step s / blocked in collectives s): 0: 1.000/0.500, "
+                           "1: 1.125/0.250")
+    assert plain[1] == "straggler check: per rank (step s): 0: 0.250, 1: 0.250"
+
+
 def _throttled(rank, world_size, pid_file):
     if rank == 1:
         pid_file.write_text(str(os.getpid()))

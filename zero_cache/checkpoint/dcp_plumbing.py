@@ -178,14 +178,17 @@ class _StreamingWriter(FileSystemWriter):
 
 
 class _VerifyingReader(FileSystemReader):
-    """Every file this rank's plan reads is checked against checksums.json before anything is read."""
+    """Every file this rank's plan reads is checked against checksums.json before anything is read; with
+    ``fetch``, the files are first brought to this rank's directory (it is called on every rank)."""
 
-    def __init__(self, path: str, checksums: dict, group):
+    def __init__(self, path: str, checksums: dict, group, fetch=None):
         super().__init__(path)
-        self.checksums, self.group = checksums, group
+        self.checksums, self.group, self.fetch = checksums, group, fetch
 
     def read_data(self, plan, planner):
         names = sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
+        if self.fetch is not None:
+            self.fetch(names)
         error = None
         try:
             integrity.verify(str(self.path), self.checksums["files"], names)
@@ -231,11 +234,11 @@ def save(state_dict: dict[str, Any], directory: str, group, no_dist: bool) -> No
 
 
 def load(state_dict: dict[str, Any], directory: str, checksums: dict, group, optional: set[str],
-         no_dist: bool) -> _LoadPlanner:
+         no_dist: bool, fetch=None) -> _LoadPlanner:
     """Read ``directory`` into the chunks of ``state_dict``; the planner returned holds the plain objects read
     (``objects``) and the tensors read along their resizable dimension (``resized``)."""
     planner = _LoadPlanner(optional)
-    _run(dcp.load, state_dict, storage_reader=_VerifyingReader(directory, checksums, group), planner=planner,
+    _run(dcp.load, state_dict, storage_reader=_VerifyingReader(directory, checksums, group, fetch), planner=planner,
          process_group=group, no_dist=no_dist)
     return planner
 

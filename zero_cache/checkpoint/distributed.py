@@ -240,11 +240,14 @@ def verified_metadata(directory: str):
 
 def load(directory: str, source: StateSource, *, layout: Layout = whole, objects: Iterable[str] = (),
          optional_objects: Iterable[str] = (), optimizer: bool = True, group=None,
-         slice_numel: int = DEFAULT_SLICE_NUMEL) -> dict[str, Any]:
+         slice_numel: int = DEFAULT_SLICE_NUMEL, fetch: Callable[[list[str]], None] | None = None
+         ) -> dict[str, Any]:
     """Read ``directory`` into ``source`` (collective over ``group``), resharding to this rank's pieces.
 
     Returns the requested plain objects (``optional_objects`` missing from the checkpoint are left out).
-    optimizer: False reads parameter values only (fine-tuning, or a checkpoint without optimizer state)."""
+    optimizer: False reads parameter values only (fine-tuning, or a checkpoint without optimizer state).
+    fetch: where ``directory`` is not shared by every rank, called (collectively, once per rank) with the
+    data files this rank is about to read, to bring those it lacks (``peer_files.fetch_missing``)."""
     checksums = integrity.read_checksums(directory)
     index = read_index(directory)
     if optimizer and not any(k.startswith(f"{EXP_AVG}/") for k in index):
@@ -266,7 +269,7 @@ def load(directory: str, source: StateSource, *, layout: Layout = whole, objects
         state_dict[object_key(key)] = None
     from . import dcp_plumbing
     planner = dcp_plumbing.load(state_dict, directory, checksums, group, {object_key(k) for k in optional_objects},
-                                no_dist=not _distributed())
+                                no_dist=not _distributed(), fetch=fetch)
     if planner.resized:
         logger.warning("zero_cache checkpoint: %s differ from this model along their resizable dimension (the "
                        "padded vocabulary); the rows both have were loaded, the others keep their initial values",

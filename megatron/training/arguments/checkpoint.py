@@ -35,6 +35,20 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    help="write checkpoints in the background while training continues (torch_dist)")
     g.add_argument("--save-interval-minutes", type=float, default=None,
                    help="also save when this many minutes passed since the last save (preemptible clusters)")
+    g.add_argument("--non-persistent-save-interval", type=int, default=None,
+                   help="iterations between snapshots in host memory (with --non-persistent-ckpt-type local)")
+    g.add_argument("--non-persistent-ckpt-type", choices=("global", "local", "in_memory"), default=None,
+                   help="local: snapshots in each host's memory under --non-persistent-local-ckpt-dir, restored "
+                        "before --load when newer (the only kind built here)")
+    g.add_argument("--non-persistent-local-ckpt-dir", type=str, default=None,
+                   help="where each host keeps its snapshots: a memory filesystem such as /dev/shm/ptm")
+    g.add_argument("--non-persistent-local-ckpt-algo", choices=("fully_parallel", "atomic"), default=None,
+                   help="accepted for Megatron's scripts; every rank writes its part in parallel here")
+    g.add_argument("--replication", action="store_true",
+                   help="also copy each rank's snapshot into the memory of a rank on another host")
+    g.add_argument("--replication-jump", type=int, default=None,
+                   help="the copy goes to the rank this many ranks on (default: ranks per host, the next host)")
+    g.add_argument("--replication-factor", type=int, default=2, help="copies of each snapshot file (2 here)")
     g.add_argument("--use-checkpoint-args", action="store_true",
                    help="take the model's shape from the checkpoint under --load (over the model flags), and its "
                         "tokenizer unless given")
@@ -70,4 +84,9 @@ def checkpoint_config_from_args(args: argparse.Namespace) -> CheckpointConfig:
     return CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
                             no_save_optim=args.no_save_optim, no_load_optim=args.no_load_optim,
                             no_load_rng=args.no_load_rng, finetune=args.finetune, ckpt_format=args.ckpt_format,
-                            async_save=args.async_save, save_interval_minutes=args.save_interval_minutes)
+                            async_save=args.async_save, save_interval_minutes=args.save_interval_minutes,
+                            non_persistent_save_interval=args.non_persistent_save_interval,
+                            non_persistent_ckpt_type=args.non_persistent_ckpt_type,
+                            non_persistent_local_ckpt_dir=args.non_persistent_local_ckpt_dir,
+                            replication=args.replication, replication_jump=args.replication_jump,
+                            replication_factor=args.replication_factor)

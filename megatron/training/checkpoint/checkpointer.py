@@ -193,10 +193,10 @@ class Checkpointer:
 
 
 def load(directory: str, source: StateSource, layout, *, objects: list[str], optional: list[str],
-         optimizer: bool, group, slice_numel: int = distributed.DEFAULT_SLICE_NUMEL) -> dict[str, Any]:
+         optimizer: bool, group, slice_numel: int = distributed.DEFAULT_SLICE_NUMEL, fetch=None) -> dict[str, Any]:
     """Read a distributed checkpoint into ``source`` (see zero_cache.checkpoint.distributed.load)."""
     return distributed.load(directory, source, layout=layout, objects=objects, optional_objects=optional,
-                            optimizer=optimizer, group=group, slice_numel=slice_numel)
+                            optimizer=optimizer, group=group, slice_numel=slice_numel, fetch=fetch)
 
 
 def _rank() -> int:

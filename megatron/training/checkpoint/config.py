@@ -21,6 +21,14 @@ class CheckpointConfig:
     ckpt_format: str = "torch_dist"
     async_save: bool = False  # torch_dist: write in the background; the next optimizer step waits for it
     save_interval_minutes: float | None = None  # also save when this much wall-clock time passed since the last
+    # Snapshots in host memory (snapshots.py): every N iterations into <dir>/<host>/, with --replication also
+    # into a rank's directory on another host (--replication-jump ranks on; None: the next host's).
+    non_persistent_save_interval: int | None = None
+    non_persistent_ckpt_type: str | None = None  # "local": the only kind here
+    non_persistent_local_ckpt_dir: str | None = None
+    replication: bool = False
+    replication_jump: int | None = None
+    replication_factor: int = 2  # copies of each file, the host's own included
 
     def __post_init__(self):
         if self.save_interval is not None and self.save_interval < 1:
@@ -33,3 +41,35 @@ class CheckpointConfig:
             raise ValueError(f"--save-interval-minutes must be > 0 (got {self.save_interval_minutes})")
         if (self.async_save or self.save_interval_minutes) and not self.save:
             raise ValueError("--async-save / --save-interval-minutes need --save DIR")
+        self._check_snapshots()
+
+    @property
+    def snapshots(self) -> bool:
+        return self.non_persistent_ckpt_type == "local"
+
+    def _check_snapshots(self) -> None:
+        kind = self.non_persistent_ckpt_type
+        if kind not in (None, "local"):
+            raise ValueError(f"--non-persistent-ckpt-type {kind}: only 'local' is built here (snapshots in each "
+                             f"host's memory, copied to a peer with --replication); use it, or --save for global")
+        given = [flag for flag, value in (("--non-persistent-save-interval", self.non_persistent_save_interval),
+                                          ("--non-persistent-local-ckpt-dir", self.non_persistent_local_ckpt_dir))
+                 if value is None]
+        if kind is None:
+            if len(given) < 2 or self.replication:
+                raise ValueError("--non-persistent-save-interval / --non-persistent-local-ckpt-dir / --replication "
+                                 "need --non-persistent-ckpt-type local")
+            return
+        if given:
+            raise ValueError(f"--non-persistent-ckpt-type local needs {' and '.join(given)} (for example "
+                             f"--non-persistent-save-interval 10 --non-persistent-local-ckpt-dir /dev/shm/ptm)")
+        if self.non_persistent_save_interval < 1:
+            raise ValueError(f"--non-persistent-save-interval must be >= 1 (got {self.non_persistent_save_interval})")
+        if not self.save:
+            raise ValueError("--non-persistent-ckpt-type local needs --save DIR: snapshots stand in for its "
+                             "checkpoints between saves and are removed once the last one is written")
+        if self.replication_factor != 2:
+            raise ValueError(f"--replication-factor {self.replication_factor}: 2 is supported here (each file on "
+                             f"its host and on one other host)")
+        if self.replication_jump is not None and self.replication_jump < 1:
+            raise ValueError(f"--replication-jump must be >= 1 (got {self.replication_jump})")

@@ -23,6 +23,7 @@ from megatron.core import parallel_state as ps
 from megatron.training.checkpoint import checkpointer, names
 from megatron.training.checkpoint.config import CheckpointConfig
 from megatron.training.checkpoint.rng import get_rng_state, set_rng_state, to_plain
+from megatron.training.checkpoint.snapshots import PeerSnapshots, run_id
 from zero_cache.checkpoint import CheckpointError, distributed
 from zero_cache.checkpoint.names import default_tag
 
@@ -72,6 +73,11 @@ class CheckpointManager:
         self.last_save = time.monotonic()
         if cfg.save:  # at start-up, not at the first save after training
             checkpointer.check_writable(cfg.save)
+        self.snapshots = None
+        if cfg.snapshots and dist.is_initialized():
+            model = {key: self.args.get(key) for key, _ in MODEL_KEYS}
+            self.snapshots = PeerSnapshots(cfg, run_id(cfg.save, model), {k: self.args.get(k) for k in MESH_KEYS},
+                                           device, timeout)
 
     # ---- saving ----------------------------------------------------------------------------------------------
     def save(self, iteration: int, consumed_samples: int) -> None:
@@ -87,20 +93,35 @@ class CheckpointManager:
                       f"{time.perf_counter() - start:.2f} s", flush=True)
             return
         optimizer = not self.cfg.no_save_optim
+        self.saver.save(iteration, self.backend.checkpoint_states(), self.backend.checkpoint_layout(),
+                        self._objects(iteration, consumed_samples, optimizer), optimizer=optimizer)
+
+    def snapshot_due(self, iteration: int) -> bool:
+        return self.snapshots is not None and self.snapshots.due(iteration)
+
+    def save_snapshot(self, iteration: int, consumed_samples: int) -> None:
+        """Start the in-memory snapshot of ``iteration`` (every state, in the background; see snapshots.py)."""
+        self.snapshots.save(iteration, self.backend.checkpoint_states(), self.backend.checkpoint_layout(),
+                            self._objects(iteration, consumed_samples, optimizer=True))
+
+    def _objects(self, iteration: int, consumed_samples: int, optimizer: bool) -> dict[str, Any]:
         objects = {"args": self.args, "iteration": iteration, "consumed_samples": consumed_samples,
                    rng_key(): to_plain(get_rng_state(self.rng_tracker), "rng_state")}
         if optimizer:
             objects["opt_param_scheduler"] = to_plain(self.scheduler.state_dict(), "scheduler state")
-        self.saver.save(iteration, self.backend.checkpoint_states(), self.backend.checkpoint_layout(), objects,
-                        optimizer=optimizer)
+        return objects
 
     def wait_before_update(self) -> None:
         """The optimizer step is about to change the states a background save reads: let it finish."""
         self.saver.wait_before_update()
+        if self.snapshots is not None:
+            self.snapshots.wait()
 
     def finish(self) -> None:
-        """End of training: the last save is complete on return."""
+        """End of training: the last save is complete on return, and the snapshots it makes redundant gone."""
         self.saver.wait()
+        if self.snapshots is not None:
+            self.snapshots.remove_all()
 
     def minutes_since_save(self) -> float:
         return (time.monotonic() - self.last_save) / 60.0
@@ -120,6 +141,11 @@ class CheckpointManager:
         if dist.is_initialized():
             dist.barrier(group=self.group)
         iteration = checkpointer.read_tracker(cfg.load)
+        if self.snapshots is not None and not cfg.finetune:
+            found = self.snapshots.newest(not_older_than=iteration or 0)
+            if found is not None:
+                return self.snapshots.restore(found, lambda directory, fetch: self._load_distributed(
+                    directory, saved_mesh=found.mesh, fetch=fetch))
         if iteration is None:
             if dist.get_rank() == 0:
                 print(f"> --load {cfg.load}: no {names.TRACKER} there, starting from scratch at iteration 0",
@@ -137,19 +163,23 @@ class CheckpointManager:
                   f"{consumed} consumed samples)", flush=True)
         return it, consumed
 
-    def _load_distributed(self, directory: str) -> tuple[int, int]:
+    def _load_distributed(self, directory: str, saved_mesh: dict | None = None, fetch=None) -> tuple[int, int]:
+        """Read ``directory``; a snapshot (``saved_mesh`` given) is this run's model already, and its files may
+        have to be fetched from other hosts (``fetch``)."""
         cfg = self.cfg
-        saved_args = distributed.load_objects(directory, ["args"])["args"]
-        check_same_model(saved_args, self.args, directory)
+        if saved_mesh is None:
+            saved_args = distributed.load_objects(directory, ["args"])["args"]
+            check_same_model(saved_args, self.args, directory)
+            # Checkpoints from before context parallelism have no context_parallel_size: they had none.
+            saved_mesh = {"context_parallel_size": 1, **saved_args}
         optimizer = not (cfg.no_load_optim or cfg.finetune)
         want_rng = not (cfg.no_load_rng or cfg.finetune)
-        # Checkpoints from before context parallelism have no context_parallel_size: they had none.
-        saved_mesh = {"context_parallel_size": 1, **saved_args}
         same_mesh = all(saved_mesh.get(k) == self.args.get(k) for k in MESH_KEYS)
         objects = ["iteration", "consumed_samples"] + (["opt_param_scheduler"] if optimizer else [])
         optional = [rng_key()] if want_rng and same_mesh else []
         loaded = checkpointer.load(directory, self.backend.checkpoint_states(), self.backend.checkpoint_layout(),
-                                   objects=objects, optional=optional, optimizer=optimizer, group=self.group)
+                                   objects=objects, optional=optional, optimizer=optimizer, group=self.group,
+                                   fetch=fetch)
         if optimizer:
             self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
         if want_rng and rng_key() in loaded:
