@@ -160,11 +160,13 @@ def main(argv: list[str] | None = None) -> int:
             res = _checked(run_job(spec, args, 1800, stop_at=first_step), "restore from storage", True)
             storage = float(_found(LOADED, res, "restore from storage")[1])
         state_mib = sum(f.stat().st_size for f in ckpt.glob(f"iter_{a.at:07d}/*")) / 2**20
+    def versus(seconds: float) -> str:
+        return f"{storage / seconds:.1f}x faster" if seconds <= storage else f"{seconds / storage:.1f}x slower"
     lines += ["", f"Restore of iteration {a.at} ({a.hosts} hosts x {a.ranks_per_host} ranks):", "",
               "| restored from | seconds | vs storage |", "|---|---|---|",
               f"| snapshots, the second host's memory lost ({peer[1]:.1f} MiB copied from the other host; storage "
-              f"moved away) | {peer[0]:.2f} | {storage / peer[0]:.1f}x faster |",
-              f"| snapshots, every host's memory intact | {own:.2f} | {storage / own:.1f}x faster |",
+              f"moved away) | {peer[0]:.2f} | {versus(peer[0])} |",
+              f"| snapshots, every host's memory intact | {own:.2f} | {versus(own)} |",
               f"| storage (--load){', page cache dropped first' if cold else ', page cache warm'} | {storage:.2f} | "
               f"1.0x |"]
     if state_mib:
