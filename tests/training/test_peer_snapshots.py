@@ -34,25 +34,35 @@ def _argv(tmp_path, snapshots: bool) -> list[str]:
     return argv
 
 
-@pytest.mark.multiprocess
-def test_killed_run_resumes_from_its_snapshot_exactly_and_reads_no_storage(tmp_path):
-    """ZeRO-3 with the optimizer states on SSD, 2 ranks; killed (SIGKILL, every rank) at a random moment after
-    iteration 7, while the snapshot of 6 may be in flight: the restart resumes from 6 or 4 with the losses of
-    the uninterrupted run to the last digit, and a clean end leaves no snapshot behind."""
-    code, out = run(_argv(tmp_path, snapshots=False), nproc=2)
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    code, out = run(_argv(tmp_path_factory.mktemp("reference"), snapshots=False), nproc=2)
     assert code == 0, out
-    reference = losses(out)
-    proc = start(_argv(tmp_path, snapshots=True), nproc=2)
+    return losses(out)
+
+
+def _killed_after(argv: list[str], pattern: str, delay: float) -> dict[int, float]:
+    """Train, SIGKILL torchrun and its ranks at once (as a host's power loss would) ``delay`` s after the first
+    line matching ``pattern``; the losses printed until then."""
+    proc = start(argv, nproc=2)
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if re.search(r"iteration\s+7/", line):
+        if re.search(pattern, line):
             break
-    time.sleep(random.Random(0).uniform(0.0, 0.3))
+    time.sleep(delay)
     for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
-        p.kill()  # torchrun and its ranks at once, as a host's power loss would
+        p.kill()
     proc.wait()
-    first = losses("".join(lines))
+    return losses("".join(lines))
+
+
+@pytest.mark.multiprocess
+def test_killed_run_resumes_from_its_snapshot_exactly_and_reads_no_storage(tmp_path, reference):
+    """ZeRO-3 with the optimizer states on SSD, 2 ranks; killed (SIGKILL, every rank) at a random moment after
+    iteration 7, while the snapshot of 6 may be in flight: the restart resumes from 6 or 4 with the losses of
+    the uninterrupted run to the last digit, and a clean end leaves no snapshot behind."""
+    first = _killed_after(_argv(tmp_path, snapshots=True), r"iteration\s+7/", random.Random(0).uniform(0.0, 0.3))
     assert not os.path.exists(tmp_path / "ckpt" / "latest_checkpointed_iteration.txt")
     code, out = run(_argv(tmp_path, snapshots=True), nproc=2)
     assert code == 0, out
@@ -65,6 +75,32 @@ def test_killed_run_resumes_from_its_snapshot_exactly_and_reads_no_storage(tmp_p
         assert loss == reference[it], f"iteration {it}"
     host_dirs = os.listdir(tmp_path / "shm")
     assert len(host_dirs) == 1 and os.listdir(tmp_path / "shm" / host_dirs[0]) == []
+
+
+@pytest.mark.multiprocess
+def test_a_damaged_snapshot_is_not_restored_and_the_checkpoint_in_storage_is(tmp_path, reference):
+    """Checkpoints every 5 iterations and snapshots every 2, killed once the snapshot of 6 is complete (during
+    step 7, which waits for it before its update); 16 bytes of one data file of that snapshot are flipped: every
+    rank agrees it cannot be restored, none has changed a state, and the restart reads the checkpoint of 5
+    under --load instead, with the uninterrupted losses."""
+    argv = _argv(tmp_path, snapshots=True)
+    argv[argv.index("--save-interval") + 1] = "5"
+    _killed_after(argv, r"> snapshot of iteration 6 ", 0.0)
+    (host,) = (tmp_path / "shm").iterdir()
+    (snapshot,) = host.iterdir()  # the one before was removed once this one was complete
+    data = sorted(snapshot.glob("__*_0.distcp"))[-1]
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2:len(raw) // 2 + 16] = bytes(b ^ 0xFF for b in raw[len(raw) // 2:len(raw) // 2 + 16])
+    data.write_bytes(bytes(raw))
+    code, out = run(argv, nproc=2)
+    assert code == 0, out
+    assert re.search(rf"> the in-memory snapshot of iteration {snapshot.name[5:].lstrip('0')} cannot be restored "
+                     rf"\(.*{data.name} is corrupted.*\); reading --load", out), out
+    assert "resuming at iteration 5" in out
+    second = losses(out)
+    assert sorted(second) == list(range(6, ITERS + 1))
+    for it, loss in second.items():
+        assert loss == reference[it], f"iteration {it}"
 
 
 @pytest.mark.parametrize("extra, expected", [

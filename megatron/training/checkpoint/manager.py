@@ -143,9 +143,14 @@ class CheckpointManager:
         iteration = checkpointer.read_tracker(cfg.load)
         if self.snapshots is not None and not cfg.finetune:
             found = self.snapshots.newest(not_older_than=iteration or 0)
-            if found is not None:
-                return self.snapshots.restore(found, lambda directory, fetch: self._load_distributed(
-                    directory, saved_mesh=found.mesh, fetch=fetch))
+            try:
+                if found is not None:
+                    return self.snapshots.restore(found, lambda directory, fetch: self._load_distributed(
+                        directory, saved_mesh=found.mesh, fetch=fetch))
+            except CheckpointError as e:  # every rank agreed before any state was read: none was changed
+                if dist.get_rank() == 0:
+                    print(f"> the in-memory snapshot of iteration {found.iteration} cannot be restored ({e}); "
+                          f"reading --load {cfg.load} instead", flush=True)
         if iteration is None:
             if dist.get_rank() == 0:
                 print(f"> --load {cfg.load}: no {names.TRACKER} there, starting from scratch at iteration 0",

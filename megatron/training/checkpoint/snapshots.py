@@ -203,6 +203,14 @@ class PeerSnapshots:
         dist.barrier(group=self.group)
         received = peer_files.fetch_missing(directory, [distributed.METADATA, CHECKSUMS], self.host_keys,
                                             self.group)
+        try:  # checked on every rank and agreed, so that all restore or none does
+            distributed.verified_metadata(directory)
+            damage = None
+        except CheckpointError as e:
+            damage = str(e)
+        damaged = [d for d in peer_files.all_gather(damage, self.group) if d is not None]
+        if damaged:
+            raise CheckpointError(damaged[0])
         tally = [received]
 
         def fetch(names: list[str]) -> None:
