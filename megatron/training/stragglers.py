@@ -95,8 +95,8 @@ def _or_nan(value: float | None) -> float:
 
 
 def _per_rank_line(rows: list[list[float]], most: int = 32) -> str:
-    """'rank: step s, waited s' for every rank (the fastest and slowest steps and the least and most waiting
-    past ``most`` ranks)."""
+    """'rank: step' or 'rank: step/blocked' (seconds) for every rank; past ``most`` ranks, only those with the
+    shortest and longest step and the least and most time blocked."""
     def field(rank: int) -> str:
         _, step, waited = rows[rank]
         return f"{rank}: {step:.3f}" + ("" if math.isnan(waited) else f"/{waited:.3f}")
