@@ -122,7 +122,7 @@ def test_simulated_pipeline_order(p, v, groups, forward_only):
 def test_one_f_one_b_rounds_run_pipedream_flush_order(p, m, forward_only):
     """The 1F1B rounds on simulated pipelines: no deadlock, every tensor where it is needed, and each rank's
     order is PipeDream-flush's: min(p - r - 1, m) forwards, then one forward and one backward, then the rest."""
-    events = simulate(p, 1, m, forward_only, schedule=lambda p, r, v, m: OneFOneBSchedule(p, r, m, v))
+    events = simulate(p, 1, m, forward_only, schedule=lambda p, r, v, m: OneFOneBSchedule(p, r, m))
     for r, ev in enumerate(events):
         w = m if forward_only else min(p - r - 1, m)
         expected = [("F", 0, k) for k in range(w)]

@@ -33,6 +33,7 @@ pytestmark = pytest.mark.multiprocess
 
 SETUP = REPO / "scripts" / "multinode_hosts.sh"
 GLOO_ENV = {"GLOO_SOCKET_IFNAME": "eth0"}  # each host's link to the others (its loopback is no use to peers)
+KEEPALIVE = ("-o", "ServerAliveInterval=2", "-o", "ServerAliveCountMax=3")  # a silent host is noticed in 6 s
 GPT_ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
             "--train-iters", "5", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
@@ -64,6 +65,23 @@ class Hosts:
             if not left or time.monotonic() > deadline:
                 return left
             time.sleep(0.5)
+
+    def power_loss(self, namespace: str) -> None:
+        """The host goes as a power loss looks: its link down first (no TCP reset reaches anyone), then every
+        process of it gone."""
+        subprocess.run(["ip", "-n", namespace, "link", "set", "eth0", "down"], check=True)
+        for pid in self.job_pids(namespace):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def recover(self, namespace: str, live: LiveLauncher) -> None:
+        """After a test that took ``namespace`` away: its link up, the launcher and every job process gone."""
+        subprocess.run(["ip", "-n", namespace, "link", "set", "eth0", "up"], check=True)
+        if live.proc.poll() is None:
+            live.proc.kill()
+        self.kill_jobs()
 
     def kill_jobs(self) -> None:
         """Power-cycle the hosts' workloads (after a test that left a host partitioned)."""
@@ -163,7 +181,7 @@ def test_node_whose_torchrun_dies_fails_the_job(hosts):
 def test_unreachable_node_fails_the_job_before_the_collective_timeout(hosts):
     # ssh keepalives every 2 s (3 missed = dead) against a 60 s collective timeout: the launcher must
     # notice the silent host itself, blame it, and stop the surviving host, whose ranks are still waiting.
-    live = LiveLauncher(*_ssh_args(hosts, "-o", "ServerAliveInterval=2", "-o", "ServerAliveCountMax=3"), STANDIN,
+    live = LiveLauncher(*_ssh_args(hosts, *KEEPALIVE), STANDIN,
                         "--steps", "10000", "--sleep", "0.2", "--distributed-timeout-seconds", "60",
                         netns=hosts.namespaces[0], env=GLOO_ENV)
     try:
@@ -300,20 +318,14 @@ def test_elastic_job_goes_on_without_a_host_that_vanished_and_grows_when_it_is_b
     is the uninterrupted run's."""
     reference = {i: float(v) for i, v in _single_host_losses(_zero3_args(ELASTIC_ITERS)).items()}
     ckpt = tmp_path / "ckpt"
-    keepalive = ("-o", "ServerAliveInterval=2", "-o", "ServerAliveCountMax=3")
-    live = LiveLauncher(*_ssh_args(hosts, *keepalive), "--nnodes", "1:2", "--max_restarts", "2", "--rejoin_interval",
+    live = LiveLauncher(*_ssh_args(hosts, *KEEPALIVE), "--nnodes", "1:2", "--max_restarts", "2", "--rejoin_interval",
                         "5", "pretrain_gpt.py", *_restart_args(ckpt, ELASTIC_ITERS), "--exit-signal-handler",
                         netns=hosts.namespaces[0], env=GLOO_ENV)
     second = hosts.namespaces[1]
     try:
         seen = live.wait_for(re.compile(r"iteration\s+7/"), timeout=300)
-        subprocess.run(["ip", "-n", second, "link", "set", "eth0", "down"], check=True)
+        hosts.power_loss(second)
         lost_at = time.monotonic()
-        for pid in hosts.job_pids(second):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         left = live.wait_for("going on without it", timeout=60, after=seen)
         alone = live.wait_for("> model:", timeout=180, after=left)
         again = live.wait_for(re.compile(r"iteration\s+\d+/"), timeout=180, after=alone)
@@ -335,10 +347,7 @@ def test_elastic_job_goes_on_without_a_host_that_vanished_and_grows_when_it_is_b
         both = live.wait_for("> model:", timeout=180, after=stopped)
         assert live.finish(timeout=300) == 0, live.output
     finally:
-        subprocess.run(["ip", "-n", second, "link", "set", "eth0", "up"], check=True)
-        if live.proc.poll() is None:
-            live.proc.kill()
-        hosts.kill_jobs()
+        hosts.recover(second, live)
     out = live.output
     assert live.lines[left].rstrip().endswith(
         "ptm-launch: node 1 (10.77.0.2) lost its connection (ssh exit code 255: the host died, rebooted or became "
@@ -372,26 +381,17 @@ def test_lost_host_is_restored_from_the_copies_its_peer_kept_in_memory(hosts, tm
     snapshots = ["--save", str(ckpt), "--load", str(ckpt), "--save-interval", "1000", "--non-persistent-ckpt-type",
                  "local", "--non-persistent-save-interval", "2", "--non-persistent-local-ckpt-dir", str(shm),
                  "--replication"]
-    keepalive = ("-o", "ServerAliveInterval=2", "-o", "ServerAliveCountMax=3")
-    live = LiveLauncher(*_ssh_args(hosts, *keepalive), "--nnodes", "1:2", "--max_restarts", "1", "pretrain_gpt.py",
+    live = LiveLauncher(*_ssh_args(hosts, *KEEPALIVE), "--nnodes", "1:2", "--max_restarts", "1", "pretrain_gpt.py",
                         *_zero3_args(SNAPSHOT_ITERS), *snapshots, netns=hosts.namespaces[0], env=GLOO_ENV)
     second = hosts.namespaces[1]
     try:
         seen = live.wait_for(re.compile(r"iteration\s+7/"), timeout=300)
-        subprocess.run(["ip", "-n", second, "link", "set", "eth0", "down"], check=True)
-        for pid in hosts.job_pids(second):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        hosts.power_loss(second)
         left = live.wait_for("going on without it", timeout=60, after=seen)
         restored = live.wait_for("> restored iteration", timeout=240, after=left)
         assert live.finish(timeout=300) == 0, live.output
     finally:
-        subprocess.run(["ip", "-n", second, "link", "set", "eth0", "up"], check=True)
-        if live.proc.poll() is None:
-            live.proc.kill()
-        hosts.kill_jobs()
+        hosts.recover(second, live)
     line = live.lines[restored]
     assert re.search(r"restored iteration (4|6) from the in-memory snapshots of 1 host\(s\) .*nothing read from "
                      r"--load", line), line

@@ -13,7 +13,6 @@ import warnings
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -39,7 +38,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from . import integrity
-from .errors import CheckpointError
+from .errors import CheckpointError, agreed
 from .global_tensor import Chunk, GlobalTensor
 
 
@@ -189,18 +188,9 @@ class _VerifyingReader(FileSystemReader):
         names = sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
         if self.fetch is not None:
             self.fetch(names)
-        error = None
-        try:
-            integrity.verify(str(self.path), self.checksums["files"], names)
-        except CheckpointError as e:
-            error = e
-        if dist.is_initialized():  # every rank knows the verdict before any rank reads
-            bad = torch.tensor([1 if error else 0])
-            dist.all_reduce(bad, group=self.group)
-            if bad.item() and error is None:
-                error = CheckpointError(f"another rank found a damaged file in checkpoint '{self.path}'")
-        if error is not None:
-            raise error
+        # Every rank knows the verdict before any rank reads.
+        agreed(lambda: integrity.verify(str(self.path), self.checksums["files"], names), self.group,
+               f"another rank found a damaged file in checkpoint '{self.path}'")
         return super().read_data(plan, planner)
 
 

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from . import disk_space, integrity
-from .errors import CheckpointError
+from .errors import CheckpointError, agreed
 from .geometry import GlobalSlice, flat_boxes, split_box
 from .global_tensor import Chunk, GlobalTensor
 from .interface import EXP_AVG, EXP_AVG_SQ, PARAM, STATES, StatePiece, StateSource
@@ -205,19 +205,8 @@ def _bytes_to_write(state_dict: dict[str, Any]) -> int:
 
 def _refuse_if_full(directory: str, needed: int, group) -> None:
     """Every rank refuses the save if one rank's filesystem cannot hold what that rank writes."""
-    error = None
-    try:
-        disk_space.check_free(directory, needed)
-    except CheckpointError as e:
-        error = e
-    if _distributed():
-        full = torch.tensor([1 if error else 0])
-        dist.all_reduce(full, op=dist.ReduceOp.MAX, group=group)
-        if full.item() and error is None:
-            error = CheckpointError(f"another rank has no space left for its part of checkpoint '{directory}'; "
-                                    f"nothing was written")
-    if error is not None:
-        raise error
+    agreed(lambda: disk_space.check_free(directory, needed), group,
+           f"another rank has no space left for its part of checkpoint '{directory}'; nothing was written")
 
 
 def read_index(directory: str) -> dict[str, tuple[int, ...] | None]:
@@ -248,8 +237,9 @@ def load(directory: str, source: StateSource, *, layout: Layout = whole, objects
     optimizer: False reads parameter values only (fine-tuning, or a checkpoint without optimizer state).
     fetch: where ``directory`` is not shared by every rank, called (collectively, once per rank) with the
     data files this rank is about to read, to bring those it lacks (``peer_files.fetch_missing``)."""
-    checksums = integrity.read_checksums(directory)
-    index = read_index(directory)
+    # Agreed before the first collective: where ranks read their own copies (snapshots.py), one may be damaged.
+    checksums, index = agreed(lambda: (integrity.read_checksums(directory), read_index(directory)), group,
+                              f"another rank found checkpoint '{directory}' damaged; load an earlier iteration")
     if optimizer and not any(k.startswith(f"{EXP_AVG}/") for k in index):
         raise CheckpointError(f"checkpoint '{directory}' holds no optimizer state (saved without it, or converted "
                               f"from other weights): load it with --finetune or --no-load-optim")

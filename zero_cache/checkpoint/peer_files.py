@@ -13,6 +13,7 @@ checkpoint's checksums catch one damaged later).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -134,42 +135,43 @@ def _pieces(nbytes: int) -> int:
 
 
 def _move_pieces(directory: str, out: Transfer | None, into: Transfer | None, group) -> None:
-    """Send ``out`` and receive ``into`` at the same time, piece by piece."""
-    src = open(os.path.join(directory, out.name), "rb", buffering=0) if out is not None else None
+    """Send ``out`` and receive ``into`` at the same time, piece by piece; what is received is written aside and
+    renamed into place once complete."""
     path = os.path.join(directory, into.name) if into is not None else None
-    tmp = f"{path}.tmp.{os.getpid()}" if path is not None else None
-    if path is not None:
-        os.makedirs(directory, exist_ok=True)
-    dst = open(tmp, "wb") if tmp is not None else None
+    tmp = f"{path}.tmp.{os.getpid()}"
     try:
-        n_out = _pieces(out.nbytes) if out is not None else 0
-        n_in = _pieces(into.nbytes) if into is not None else 0
-        for k in range(max(n_out, n_in)):
-            ops = []
-            if k < n_out:
-                size = min(PIECE, out.nbytes - k * PIECE)
-                piece = torch.empty(size, dtype=torch.uint8)
-                if src.readinto(memoryview(piece.numpy())) != size:
-                    raise CheckpointError(f"{os.path.join(directory, out.name)} changed size while it was copied")
-                ops.append(dist.isend(piece, dist.get_global_rank(group, out.receiver), group=group))
-            if k < n_in:
-                incoming = torch.empty(min(PIECE, into.nbytes - k * PIECE), dtype=torch.uint8)
-                ops.append(dist.irecv(incoming, dist.get_global_rank(group, into.sender), group=group))
-            for op in ops:
-                op.wait()
-            if k < n_in:
-                dst.write(memoryview(incoming.numpy()))
-        if dst is not None:
-            dst.close()
-            dst = None
+        with contextlib.ExitStack() as files:
+            src = files.enter_context(open(os.path.join(directory, out.name), "rb", buffering=0)) if out else None
+            if into is not None:
+                os.makedirs(directory, exist_ok=True)
+            dst = files.enter_context(open(tmp, "wb")) if into else None
+            _move(src, dst, out, into, group)
+        if into is not None:
             os.replace(tmp, path)
     finally:
-        if src is not None:
-            src.close()
-        if dst is not None:
-            dst.close()
-        if tmp is not None and os.path.exists(tmp):
+        if into is not None and os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _move(src, dst, out: Transfer | None, into: Transfer | None, group) -> None:
+    """Piece k of ``out`` (read from ``src``) and of ``into`` (written to ``dst``) travel together."""
+    n_out = _pieces(out.nbytes) if out is not None else 0
+    n_in = _pieces(into.nbytes) if into is not None else 0
+    for k in range(max(n_out, n_in)):
+        ops = []
+        if k < n_out:
+            size = min(PIECE, out.nbytes - k * PIECE)
+            piece = torch.empty(size, dtype=torch.uint8)
+            if src.readinto(memoryview(piece.numpy())) != size:
+                raise CheckpointError(f"{src.name} changed size while it was copied")
+            ops.append(dist.isend(piece, dist.get_global_rank(group, out.receiver), group=group))
+        if k < n_in:
+            incoming = torch.empty(min(PIECE, into.nbytes - k * PIECE), dtype=torch.uint8)
+            ops.append(dist.irecv(incoming, dist.get_global_rank(group, into.sender), group=group))
+        for op in ops:
+            op.wait()
+        if k < n_in:
+            dst.write(memoryview(incoming.numpy()))
 
 
 def fetch_missing(directory: str, names: list[str], host_keys: list[str], group) -> int:
@@ -177,7 +179,8 @@ def fetch_missing(directory: str, names: list[str], host_keys: list[str], group)
     from ranks (of other hosts) that hold them; returns the bytes this rank received."""
     everyone = all_gather((sorted(names), listing(directory)), group)
     transfers = plan_fetch([n for n, _ in everyone], [h for _, h in everyone], host_keys)
-    received = copy_files(directory, transfers, group) if transfers else 0
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.barrier(group=group)  # a file received by one rank of a host is there for the others
+    if not transfers:  # the same plan on every rank: all skip
+        return 0
+    received = copy_files(directory, transfers, group)
+    dist.barrier(group=group)  # a file received by one rank of a host is there for the others
     return received

@@ -12,6 +12,7 @@ Pure bookkeeping (``rounds.py``), like ``interleaved.py``: ``schedules.py`` runs
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from megatron.core.pipeline_parallel.rounds import Round
 
@@ -22,12 +23,12 @@ class OneFOneBSchedule:
     stages: int
     rank: int
     microbatches: int
-    chunks: int = 1
+    chunks: ClassVar[int] = 1
 
     def __post_init__(self):
-        if self.stages < 2 or not 0 <= self.rank < self.stages or self.microbatches < 1 or self.chunks != 1:
-            raise ValueError(f"1F1B needs >= 2 stages, a rank among them, >= 1 micro-batch and one chunk (got "
-                             f"{self.stages}, {self.rank}, {self.microbatches}, {self.chunks})")
+        if self.stages < 2 or not 0 <= self.rank < self.stages or self.microbatches < 1:
+            raise ValueError(f"1F1B needs >= 2 stages, a rank among them and >= 1 micro-batch (got {self.stages}, "
+                             f"{self.rank}, {self.microbatches})")
 
     @property
     def total(self) -> int:

@@ -20,7 +20,6 @@ import os
 import re
 import shutil
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron.training.checkpoint.background import BackgroundWork
 from megatron.training.checkpoint.names import is_iteration_dirname, iteration_dir, tracker_path
 from zero_cache.checkpoint import CheckpointError, distributed
 from zero_cache.checkpoint.interface import StateSource
@@ -114,8 +114,7 @@ class Checkpointer:
                  slice_numel: int = distributed.DEFAULT_SLICE_NUMEL):
         self.save_dir, self.async_save, self.group, self.device = save_dir, async_save, group, device
         self.slice_numel = slice_numel
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._writer = BackgroundWork("checkpoint_writer", device)
         self._pending: dict | None = None  # the save in flight: iteration, start time, blocked seconds
         self.records: list[SaveRecord] = []
 
@@ -137,9 +136,7 @@ class Checkpointer:
             self._write(*job)
             self._finish()
             return
-        self._thread = threading.Thread(target=self._write_in_background, args=job, daemon=True,
-                                        name="checkpoint_writer")
-        self._thread.start()
+        self._writer.start(self._write, *job)
         self._pending["blocked"] += time.perf_counter() - start
 
     def _write(self, directory, source, layout, objects, optimizer) -> None:
@@ -150,26 +147,18 @@ class Checkpointer:
         _barrier(self.group)
         self._pending["written"] = time.perf_counter()
 
-    def _write_in_background(self, *job) -> None:
-        try:
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-            self._write(*job)
-        except BaseException as e:  # re-raised in the training thread by wait()
-            self._error = e
-
     def wait(self) -> None:
         """Block until the save in flight (if any) is complete; its time counts as blocked."""
         if self._pending is None:
             return
-        if self._thread is not None:
-            start = time.perf_counter()
-            self._thread.join()
-            self._thread = None
+        start = time.perf_counter()
+        try:
+            background = self._writer.join()
+        except BaseException:
+            self._pending = None
+            raise
+        if background:
             self._pending["blocked"] += time.perf_counter() - start
-            if self._error is not None:
-                error, self._error, self._pending = self._error, None, None
-                raise error
         self._finish()
 
     def wait_before_update(self) -> None:

@@ -27,7 +27,6 @@ import os
 import re
 import shutil
 import socket
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -37,8 +36,9 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from megatron.training.checkpoint.background import BackgroundWork
 from megatron.training.checkpoint.config import CheckpointConfig
-from megatron.training.checkpoint.names import is_iteration_dirname, iteration_dir
+from megatron.training.checkpoint.names import is_iteration_dirname, iteration_dir, iteration_dirname
 from zero_cache.checkpoint import CheckpointError, distributed, peer_files
 from zero_cache.checkpoint.integrity import CHECKSUMS, read_checksums
 from zero_cache.checkpoint.interface import StateSource
@@ -73,7 +73,7 @@ class PeerSnapshots:
 
     def __init__(self, cfg: CheckpointConfig, run: str, mesh: dict[str, Any], device: torch.device,
                  timeout: datetime.timedelta):
-        self.cfg, self.run, self.mesh, self.device = cfg, run, mesh, device
+        self.cfg, self.run, self.mesh = cfg, run, mesh
         self.group = dist.new_group(backend="gloo", timeout=timeout)
         self.rank = dist.get_rank(self.group)
         self.host_keys = peer_files.all_gather(host_key(), self.group)
@@ -82,8 +82,7 @@ class PeerSnapshots:
         self.root = os.path.join(cfg.non_persistent_local_ckpt_dir, self.host_keys[self.rank])
         self.replicas = (peer_files.replica_ranks(self.host_keys, cfg.replication_jump) if cfg.replication
                          else [None] * len(self.host_keys))
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._writer = BackgroundWork("snapshot_writer", device)
         os.makedirs(self.root, exist_ok=True)
 
     @property
@@ -96,39 +95,29 @@ class PeerSnapshots:
     # ---- saving ----------------------------------------------------------------------------------------------
     def save(self, iteration: int, source: StateSource, layout, objects: dict[str, Any]) -> None:
         """Start writing the snapshot of ``iteration`` in the background (the previous one is finished first)."""
-        self.wait()
-        self._thread = threading.Thread(target=self._write_in_background, name="snapshot_writer", daemon=True,
-                                        args=(iteration, source, layout, objects, time.perf_counter()))
-        self._thread.start()
-
-    def _write_in_background(self, *job) -> None:
-        try:
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-            self._write(*job)
-        except BaseException as e:  # re-raised in the training thread by wait()
-            self._error = e
+        self._writer.start(self._write, iteration, source, layout, objects, time.perf_counter())
 
     def _write(self, iteration: int, source: StateSource, layout, objects: dict[str, Any], start: float) -> None:
         directory = iteration_dir(self.root, iteration)
-        token = peer_files.all_gather(uuid.uuid4().hex, self.group)[0]
         if self.first_on_host:  # a snapshot of this iteration from an earlier round is not mixed with this one
             shutil.rmtree(directory, ignore_errors=True)
         dist.barrier(group=self.group)
         distributed.save(directory, source, layout=layout, objects=objects, group=self.group)
-        mine = sorted(n for n in os.listdir(directory) if n.startswith(f"__{self.rank}_"))
-        files = peer_files.all_gather({n: os.path.getsize(os.path.join(directory, n)) for n in mine}, self.group)
+        # One all-gather: every rank's data files, and from rank 0 the metadata's sizes and this save's token.
+        here = peer_files.listing(directory)
+        mine = {n: size for n, size in here.items() if n.startswith(f"__{self.rank}_")}
+        shared = ({n: here[n] for n in (distributed.METADATA, CHECKSUMS)}, uuid.uuid4().hex) if self.rank == 0 else None
+        everyone = peer_files.all_gather((mine, shared), self.group)
+        files = [f for f, _ in everyone]
+        metadata, token = everyone[0][1]
         written = time.perf_counter()
-        copies = self._copies(files, directory)
+        copies = self._copies(files, metadata)
         peer_files.copy_files(directory, copies, self.group)
         if self.first_on_host:
             _write_json(os.path.join(directory, INFO), {"run": self.run, "iteration": iteration, "token": token,
                                                         "mesh": self.mesh})
         dist.barrier(group=self.group)  # complete on every host: the older ones can go
-        if self.first_on_host:
-            for name in os.listdir(self.root):
-                if is_iteration_dirname(name) and name != os.path.basename(directory):
-                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+        self._remove_iterations(keep=iteration)
         if self.rank == 0:
             mib = sum(size for f in files for size in f.values()) / 2**20
             copied = sum(t.nbytes for t in copies) / 2**20
@@ -137,33 +126,31 @@ class PeerSnapshots:
             print(f"> snapshot of iteration {iteration} in host memory: {mib:.1f} MiB written in "
                   f"{written - start:.2f} s, {sent}", flush=True)
 
-    def _copies(self, files: list[dict[str, int]], directory: str) -> list[peer_files.Transfer]:
-        """Each rank's files to its replica; the metadata and checksums from rank 0 to every other host."""
+    def _copies(self, files: list[dict[str, int]], metadata: dict[str, int]) -> list[peer_files.Transfer]:
+        """Each rank's files to its replica; rank 0's metadata and checksums to every other host."""
         out = [peer_files.Transfer(name, rank, buddy, size) for rank, buddy in enumerate(self.replicas)
                if buddy is not None for name, size in sorted(files[rank].items())]
-        shared = peer_files.all_gather(peer_files.listing(directory) if self.rank == 0 else None, self.group)[0]
         for ranks in list(peer_files.hosts_of(self.host_keys).values())[1:]:
-            out += [peer_files.Transfer(name, 0, ranks[0], shared[name]) for name in
-                    (distributed.METADATA, CHECKSUMS)]
+            out += [peer_files.Transfer(name, 0, ranks[0], size) for name, size in metadata.items()]
         return out
+
+    def _remove_iterations(self, keep: int | None = None) -> None:
+        """This host's snapshots other than ``keep`` (one rank per host does it)."""
+        if not self.first_on_host:
+            return
+        for name in os.listdir(self.root):
+            if is_iteration_dirname(name) and name != (iteration_dirname(keep) if keep is not None else None):
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
     def wait(self) -> None:
         """Block until the snapshot in flight (if any) is complete."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+        self._writer.join()
 
     def remove_all(self) -> None:
         """The run ended cleanly (its checkpoint is saved): give the memory back."""
         self.wait()
         dist.barrier(group=self.group)
-        if self.first_on_host:
-            for name in os.listdir(self.root):
-                if is_iteration_dirname(name):
-                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+        self._remove_iterations()
 
     # ---- restoring -------------------------------------------------------------------------------------------
     def newest(self, not_older_than: int) -> Found | None:
@@ -203,20 +190,12 @@ class PeerSnapshots:
         dist.barrier(group=self.group)
         received = peer_files.fetch_missing(directory, [distributed.METADATA, CHECKSUMS], self.host_keys,
                                             self.group)
-        try:  # checked on every rank and agreed, so that all restore or none does
-            distributed.verified_metadata(directory)
-            damage = None
-        except CheckpointError as e:
-            damage = str(e)
-        damaged = [d for d in peer_files.all_gather(damage, self.group) if d is not None]
-        if damaged:
-            raise CheckpointError(damaged[0])
-        tally = [received]
 
         def fetch(names: list[str]) -> None:
-            tally[0] += peer_files.fetch_missing(directory, names, self.host_keys, self.group)
+            nonlocal received
+            received += peer_files.fetch_missing(directory, names, self.host_keys, self.group)
         result = load(directory, fetch)
-        total = torch.tensor([tally[0]], dtype=torch.int64)
+        total = torch.tensor([received], dtype=torch.int64)
         dist.all_reduce(total, group=self.group)
         if dist.get_rank() == 0:
             print(f"> restored iteration {found.iteration} from the in-memory snapshots of {self.hosts} host(s) in "
