@@ -47,6 +47,7 @@ class ActivationLayout:
     layers_per_virtual_stage: int | None = None  # --num-layers-per-virtual-pipeline-stage (interleaved 1F1B)
     granularity: str | None = None  # --recompute-granularity without full recompute: None or "selective"
     offloaded_layers: int = 0  # --cpu-offloading-num-layers per model chunk (-1: all but the chunk's last)
+    pipeline_schedule: str = "1f1b"  # --pipeline-schedule with one model chunk per stage: 1f1b | zb-h1
 
     def seq_split(self, tp: int) -> int:
         return tp if self.sequence_parallel and tp > 1 else 1
@@ -69,6 +70,7 @@ class ActivationSetup:
     pp: int = 1
     stage: int = 0  # pipeline stage (0: the one with the most micro-batches in flight)
     virtual_stages: int = 1  # model chunks per stage (interleaved schedule)
+    pipeline_schedule: str = "1f1b"  # 1f1b | zb-h1 with one model chunk per stage
     in_flight: int | None = None  # model chunks whose activations the stage holds at once; None: the schedule's
     recompute: str | None = None  # None | "selective" | "full"
     offloaded_layers: int = 0  # --cpu-offloading-num-layers, per model chunk; -1: all but the chunk's last
@@ -106,11 +108,15 @@ class ActivationMemory:
         return self.saved + max(self.working, self.logits)
 
 
-def in_flight_chunks(pp: int, stage: int, virtual_stages: int = 1) -> int:
+def in_flight_chunks(pp: int, stage: int, virtual_stages: int = 1, schedule: str = "1f1b") -> int:
     """Model chunks whose activations pipeline stage ``stage`` holds at once (micro-batches >= PP): 1F1B
     warms up PP - stage - 1 forwards and then holds one more; the interleaved schedule warms up
     2 (PP - stage - 1) + (v - 1) PP chunk forwards, so stage 0 holds PP + (PP - 1) / v stages' worth of layers,
-    Megatron's 1 + (PP - 1) / (PP v) factor on PP micro-batches."""
+    Megatron's 1 + (PP - 1) / (PP v) factor on PP micro-batches. ZB-H1 holds at most PP micro-batches on every
+    stage, counting those whose weight pass is pending (which keep less: the linear layers' inputs and output
+    gradients) as whole ones."""
+    if schedule == "zb-h1":
+        return pp
     if virtual_stages == 1:
         return pp - stage
     return 2 * (pp - stage - 1) + (virtual_stages - 1) * pp + 1
@@ -307,7 +313,8 @@ def activation_memory(cfg: TransformerConfig, setup: ActivationSetup, layers: in
     if layers % v:
         raise ValueError(f"{layers} layers per pipeline stage do not split into {v} model chunks")
     chunk = layers // v
-    chunks = setup.in_flight if setup.in_flight is not None else in_flight_chunks(setup.pp, setup.stage, v)
+    chunks = setup.in_flight if setup.in_flight is not None else in_flight_chunks(setup.pp, setup.stage, v,
+                                                                                  setup.pipeline_schedule)
     full = setup.recompute == "full"
     dense = layer_bytes(cfg, setup) if layers > moe_layers else 0.0
     moe = layer_bytes(cfg, setup, moe=True) if moe_layers else 0.0

@@ -142,6 +142,10 @@ def add_long_context_args(p: argparse.ArgumentParser, g: argparse._ArgumentGroup
                                     "(every rank gathers the whole sequence's keys and values)"}),
         ("--num-layers-per-virtual-pipeline-stage", {"type": int, "default": None,
                                                      "help": "the interleaved 1F1B schedule's model chunk size"}),
+        ("--pipeline-schedule", {"choices": ["1f1b", "zb-h1"], "default": "1f1b",
+                                 "help": "with one model chunk per stage: zb-h1 splits each backward and computes the "
+                                         "weight gradients where 1F1B waits (bubble and memory as the trainer's)"}),
+        ("--enable-zero-bubble", {"action": "store_true", "help": "--pipeline-schedule zb-h1"}),
         ("--cpu-offloading", {"action": "store_true", "help": "move saved activations of the first layers of each "
                               "model chunk to host memory (all but its last unless --cpu-offloading-num-layers)"}),
         ("--cpu-offloading-num-layers", {"type": int, "default": None,
@@ -196,7 +200,11 @@ def layout_from_args(args: argparse.Namespace, mesh: Mesh) -> ActivationLayout:
         raise ValueError("--cpu-offloading with --recompute-granularity full: full recompute keeps only each layer's "
                          "input, there is nothing left to offload; choose one (selective recompute combines)")
     granularity = "selective" if args.recompute_granularity == "selective" else None
-    return ActivationLayout(sp, args.cp_comm_type, n, granularity, offloaded)
+    schedule = "zb-h1" if args.enable_zero_bubble else args.pipeline_schedule
+    if schedule == "zb-h1" and (pp == 1 or n is not None):
+        raise ValueError("--pipeline-schedule zb-h1 (--enable-zero-bubble) needs --pipeline-model-parallel-size > 1 "
+                         "and one model chunk per stage (no --num-layers-per-virtual-pipeline-stage)")
+    return ActivationLayout(sp, args.cp_comm_type, n, granularity, offloaded, schedule)
 
 
 def check_seq_split(seq_length: int, mesh: Mesh, layout: ActivationLayout) -> None:

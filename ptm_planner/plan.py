@@ -505,7 +505,8 @@ class Planner:
         mesh, layout = r.mesh, r.layout
         v = layout.virtual_stages(r.model.num_layers // mesh.pp)
         parallel = Parallel(tp=mesh.tp, pp=mesh.pp, cp=mesh.cp, ep=mesh.ep, dp=mesh.dp, virtual_stages=v,
-                            sequence_parallel=layout.seq_split(mesh.tp) > 1, cp_comm_type=layout.cp_comm_type)
+                            schedule=layout.pipeline_schedule, sequence_parallel=layout.seq_split(mesh.tp) > 1,
+                            cp_comm_type=layout.cp_comm_type)
         micro_batches = self.micro_batches(opt)
         recompute = "full" if opt.recompute else layout.granularity
         zero = DataParallel("zero3", layout=opt.layout, keep_gathered=opt.keep_gathered)

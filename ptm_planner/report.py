@@ -32,6 +32,8 @@ def long_context_args(r: Request, full_recompute: bool) -> list[str]:
         out += ["--context-parallel-size", str(mesh.cp), "--cp-comm-type", layout.cp_comm_type]
     if layout.virtual_stages(m.num_layers // mesh.pp) > 1:
         out += ["--num-layers-per-virtual-pipeline-stage", str(layout.layers_per_virtual_stage)]
+    if layout.pipeline_schedule != "1f1b":
+        out += ["--pipeline-schedule", layout.pipeline_schedule]
     if layout.offloaded_layers:
         out += ["--cpu-offloading"] + (["--cpu-offloading-num-layers", str(layout.offloaded_layers)]
                                        if layout.offloaded_layers > 0 else [])

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron.core.pipeline_parallel import zero_bubble
 from ptm_planner.profiles import GB, ClusterProfile
 from ptm_planner.step_time import StepBreakdown
 
@@ -111,6 +112,7 @@ class Parallel:
     ep: int = 1
     dp: int = 1  # data-parallel replicas (the context-parallel ranks of a replica not counted)
     virtual_stages: int = 1  # model chunks per pipeline stage (interleaved 1F1B)
+    schedule: str = "1f1b"  # with one chunk per stage: 1f1b | zb-h1
     sequence_parallel: bool = False
     cp_comm_type: str = "p2p"  # p2p | a2a | allgather
     pp_scatter_gather: bool = True  # Megatron's: each TP rank sends 1/TP of the activation between stages
@@ -118,6 +120,16 @@ class Parallel:
     @property
     def gpus(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
+
+    def bubble_micro_batches(self, micro_batches: int) -> float:
+        """The pipeline's fill and drain, in micro-batches of the slowest stage: (p - 1) / v for 1F1B and the
+        interleaved schedule; ZB-H1's from its rounds, a micro-batch's forward, input and weight gradients taken
+        as equal thirds."""
+        if self.pp == 1:
+            return 0.0
+        if self.schedule == "zb-h1":
+            return zero_bubble.bubble(self.pp, micro_batches) * micro_batches
+        return (self.pp - 1) / self.virtual_stages
 
 
 @dataclass(frozen=True)
@@ -181,7 +193,7 @@ class StepPrediction:
     micro_batch: list[Term]
     step: list[Term]
     micro_batches: int
-    bubble_micro_batches: float  # (p - 1) / v
+    bubble_micro_batches: float  # Parallel.bubble_micro_batches
     tokens: int
     gpus: int
     model_flops: float  # 6 x active parameters x tokens + attention (causal), no recompute: the MFU convention
@@ -399,7 +411,7 @@ def predict(w: Workload, profile: ClusterProfile, offload: StepBreakdown | None 
     if offload is None:
         step_terms.append(Term("optimizer (device Adam)", opt_elems / profile.device_adam_elems_per_s))
     else:
-        pipeline = (w.micro_batches + (p.pp - 1) / p.virtual_stages) * sum(x.seconds for x in micro)
+        pipeline = (w.micro_batches + p.bubble_micro_batches(w.micro_batches)) * sum(x.seconds for x in micro)
         copies = max(offload.h2d_s, offload.d2h_s)
         if not profile.overlaps_comm:
             copies, pipeline = offload.h2d_s + offload.d2h_s, 0.0
@@ -416,7 +428,7 @@ def predict(w: Workload, profile: ClusterProfile, offload: StepBreakdown | None 
                                                                  if m.moe_layers else 0)) + m.vocab * h
     attn_model = 4 * m.seq * m.q_width * m.layers / 2 * 3  # per token, causal, forward + backward
     model_flops = (6 * active + attn_model) * w.tokens
-    return StepPrediction(micro, step_terms, w.micro_batches, (p.pp - 1) / p.virtual_stages, w.tokens, p.gpus,
+    return StepPrediction(micro, step_terms, w.micro_batches, p.bubble_micro_batches(w.micro_batches), w.tokens, p.gpus,
                           model_flops, profile.accelerator.peak_tflops * 1e12, profile.expected_error, offload=offload)
 
 

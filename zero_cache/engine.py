@@ -14,10 +14,11 @@ reduces, the update strategy updates; it hears the start of each backward pass t
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ from .chunk_init import ParamInit
 from .comm import CommStepStats, group_all_reduce
 from .comm_theory import zero_step_theory
 from .config import ZeroCacheConfig, ZeroConfigError, parse_config
+from .grad_reducer import DeferredWrite
 from .lifecycle import ChunkListener
 from .optimizer import SwapStats
 from .speculation import SpeculationStats
@@ -81,6 +83,7 @@ class ZeroEngine(ChunkListener):
         self.last_copy_stats: CopyStats | None = None
         self.last_speculation: SpeculationStats | None = None
         self._callback_task = None
+        self._boundary: bool | None = None  # set_gradient_accumulation_boundary
         self._backward_passes = 0  # this step's (the micro-batches actually run, for the comm theory)
         self._norm_pinned: torch.Tensor | None = None  # the host's part of the norm statistics, on its way over
 
@@ -121,20 +124,57 @@ class ZeroEngine(ChunkListener):
         if self.coordinator is not None:
             self.coordinator.add_external(module, param)
 
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Whether the backward passes from now on are the step's last on this rank (its gradients are final
+        there, which lets their statistics and the update start early). A pipeline schedule knows; without a
+        call (None) the engine takes the gradient_accumulation_steps-th pass of a step for the last."""
+        self._boundary = is_boundary
+
+    @contextlib.contextmanager
+    def deferred_weight_grads(self) -> Iterator[list[DeferredWrite]]:
+        """Backward passes inside compute the input gradients (and the gradients of parameters whose layers
+        write none themselves); the weight gradients of the layers that write their own (weight_grad.py) are
+        kept in the yielded list, with the tensors they need, for ``backward_weights``: a zero-bubble pipeline
+        schedule runs them later, where the pipeline would otherwise idle."""
+        writes: list[DeferredWrite] = []
+        self.reducer.defer_writers(writes)
+        try:
+            yield writes
+        finally:
+            self.reducer.defer_writers(None)
+
+    def backward_weights(self, writes: list[DeferredWrite]) -> None:
+        """The weight pass of a split backward (``deferred_weight_grads``): a backward pass of its own, whose
+        gradients are reduced like any other's (it is the step's last under ``set_gradient_accumulation_boundary``
+        (True))."""
+        self._start_pass()
+        with torch.no_grad():  # as inside autograd's backward: the kept inputs require grad
+            self.reducer.write_deferred(writes)
+        self._finish_pass()
+
     def backward_touched(self) -> None:
         """Lifecycle: queue one end-of-backward callback per autograd pass, however backward was started."""
         task = torch._C._current_graph_task_id()
         if task != self._callback_task:
-            self._join_update()  # the backward accumulates into the gradient shards the update reads
             self._callback_task = task
-            # Gradients are final in the pass the step expects to be its last (statistics, speculation).
-            self.reducer.start_pass(final=self._backward_passes + 1 >= self.gradient_accumulation_steps)
+            self._start_pass()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-            self.update.backward_started()
+
+    def _start_pass(self) -> None:
+        self._join_update()  # the backward accumulates into the gradient shards the update reads
+        # Gradients are final in the step's last pass (statistics, speculation).
+        last = self._boundary
+        if last is None:
+            last = self._backward_passes + 1 >= self.gradient_accumulation_steps
+        self.reducer.start_pass(final=last)
+        self.update.backward_started()
 
     def _end_backward(self) -> None:
         self._callback_task = None
         self._backward_passes += 1
+        self._finish_pass()
+
+    def _finish_pass(self) -> None:
         self.reducer.end_backward()
         if self.coordinator is not None:
             self.coordinator.release_idle()

@@ -29,6 +29,11 @@ hooks put the step's first gradients over what it held and add the later ones, a
 it once, in the final pass (no buffer, no copy). Any other chunk of such a group (a shard on SSD or behind an
 accelerator, 16-bit buffers) takes its buffer as the reduction's result.
 
+A split backward (zero-bubble pipeline schedules) runs each micro-batch's backward in two passes. In the first,
+``defer_writers`` keeps the layers' writers (with the gradients and inputs they close over) instead of running
+them, and the hooks do not count those parameters; ``write_deferred`` is the second pass: it runs the writers
+and counts their parameters, as the hooks would have.
+
 The end of every backward pass (an autograd final callback) flushes chunks with only part of their
 gradients (unused parameters), waits for the in-flight reductions and lets the coordinator release
 gathered chunks. Every backward pass is self-contained, so 1F1B interleaving of micro-batches is fine.
@@ -59,6 +64,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -89,6 +95,14 @@ def norm_stats(grad: torch.Tensor, ranges: NormRanges) -> torch.Tensor:
         out[0] += sum_of_squares(grad[a:b])
     out[1] = (~torch.isfinite(grad)).any().double()
     return out
+
+
+@dataclass(frozen=True)
+class DeferredWrite:
+    """A layer's weight-gradient writer that a split backward kept for its weight pass."""
+    chunk: int
+    slot: ParamSlot
+    write: GradWriter
 
 
 class GradReducer:
@@ -139,6 +153,8 @@ class GradReducer:
         self.scaled: set[int] = set()  # ... multiplied in the step's final pass
         self.final_pass = False  # the engine expects the running backward pass to be the step's last
         self.stats: list[torch.Tensor | None] = [None] * len(chunks)  # norm_stats of final shards
+        self.deferred: list[DeferredWrite] | None = None  # where writers go instead of running (a split backward)
+        self.deferred_slots: set[tuple[int, int]] = set()  # (chunk, slot offset) whose writer this pass deferred
         # Chunk gradient buffers whose reduction finished, reused by the next chunks, in this pass and the next
         # steps' (the memory planner counts reduce buffers of the largest chunk's size), at most the buffers a
         # pass uses at once: the reductions in flight and the chunk accumulating.
@@ -228,6 +244,10 @@ class GradReducer:
     def _on_writer(self, c: int, slot: ParamSlot, write: GradWriter) -> None:
         """Write the layer's gradient into the slot's region; the parameter's hook comes after every writer."""
         self.events.backward_touched()
+        if self.deferred is not None:
+            self.deferred.append(DeferredWrite(c, slot, write))
+            self.deferred_slots.add((c, slot.offset))
+            return
         region, first = self._region(c, slot)
         write(region.view(slot.shape), first)
 
@@ -242,6 +262,26 @@ class GradReducer:
                 region.copy_(grad.reshape(-1))
             else:
                 region.add_(grad.reshape(-1))
+        if (c, slot.offset) not in self.deferred_slots:  # else the pass that runs its writer counts it
+            self._slot_done(c)
+
+    def defer_writers(self, into: list[DeferredWrite] | None) -> None:
+        """While ``into`` is a list, backward passes keep the layers' weight-gradient writers there, unrun."""
+        self.deferred = into
+
+    def write_deferred(self, writes: list[DeferredWrite]) -> None:
+        """A pass of its own (between ``start_pass`` and ``end_backward``): run the writers one backward kept, in
+        its order, then count each of their parameters as done."""
+        done: dict[tuple[int, int], int] = {}
+        for w in writes:
+            region, first = self._region(w.chunk, w.slot)
+            w.write(region.view(w.slot.shape), first)
+            done[(w.chunk, w.slot.offset)] = w.chunk
+        for c in done.values():
+            self._slot_done(c)
+
+    def _slot_done(self, c: int) -> None:
+        """One more parameter of chunk ``c`` has all of this pass's gradient."""
         self.fired[c] += 1
         if self.fired[c] == self.expected[c]:
             if self.in_place[c]:
@@ -412,6 +452,7 @@ class GradReducer:
         else:
             self._drain_ssd_writes()  # a later micro-batch may read these shards back
         self.fired = [0] * len(self.chunks)
+        self.deferred_slots.clear()
 
     def drain(self) -> None:
         """Wait until every gradient sent to the host has landed in its shard."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from megatron.core.moe.config import MoEConfig
 from megatron.core.optimizer.config import OptimizerConfig
+from megatron.core.pipeline_parallel.rounds import SCHEDULES
 from megatron.core.transformer_config import CP_COMM_TYPES, TransformerConfig
 from megatron.data.config import DataConfig
 from megatron.tokenizer.config import TokenizerConfig
@@ -118,6 +119,7 @@ class ParallelConfig:
     cp_comm_type: str = "p2p"  # context-parallel attention: p2p (ring) | a2a (all-to-all, Ulysses)
     sequence_parallel: bool = False  # TP ranks split the sequence outside the tensor-parallel regions
     virtual_pipeline_model_parallel_size: int | None = None  # model chunks per stage (interleaved 1F1B); None: 1
+    pipeline_schedule: str = "1f1b"  # --pipeline-schedule (megatron.core.pipeline_parallel.schedules.SCHEDULES)
     train_timeout_seconds: float | None = None  # the same after the first step; None: distributed_timeout_minutes
 
     @property
@@ -140,6 +142,7 @@ class ParallelConfig:
                 f"--global-batch-size {self.global_batch_size} is not divisible by --micro-batch-size "
                 f"{self.micro_batch_size} x data-parallel size {self.data_parallel_size} = {per_step}; "
                 f"use a multiple of {per_step}")
+        self._check_pipeline_schedule()
         if self.cp_comm_type not in CP_COMM_TYPES:
             raise ValueError(f"--cp-comm-type {self.cp_comm_type!r}: choose one of {', '.join(CP_COMM_TYPES)}")
         # Checked for every size now rather than when the schedule reaches it, hours into the run.
@@ -156,6 +159,20 @@ class ParallelConfig:
                 f"the interleaved schedule needs the micro-batches of every step to be a multiple of "
                 f"--pipeline-model-parallel-size {pp}, but global batch size {uneven[0]} makes "
                 f"{uneven[0] // per_step}; use a global batch size that is a multiple of {per_step * pp}")
+
+    def _check_pipeline_schedule(self) -> None:
+        name, pp, v = self.pipeline_schedule, self.pipeline_model_parallel_size, self.virtual_stages
+        if name not in SCHEDULES:
+            raise ValueError(f"--pipeline-schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
+        if name == "interleaved-1f1b" and v == 1:
+            raise ValueError("--pipeline-schedule interleaved-1f1b needs several model chunks per stage: add "
+                             "--virtual-pipeline-model-parallel-size or --num-layers-per-virtual-pipeline-stage")
+        if name != "interleaved-1f1b" and v > 1:
+            raise ValueError(f"--pipeline-schedule {name} runs one model chunk per stage, but the virtual-pipeline "
+                             f"flags ask for {v}: drop them or use interleaved-1f1b")
+        if name == "zb-h1" and pp < 2:
+            raise ValueError("--pipeline-schedule zb-h1 (--enable-zero-bubble) schedules a pipeline: it needs "
+                             "--pipeline-model-parallel-size > 1")
 
     @property
     def schedule(self) -> BatchSchedule:

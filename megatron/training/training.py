@@ -72,12 +72,14 @@ def _average_losses(stats: list[dict], key: str = "lm loss") -> float | None:
 
 
 def train_step(backend: Backend, forward_step_func: ForwardStepFunc, data_iterator, spec: p2p.TensorSpec,
-               num_microbatches: int, lr: float, before_update: Callable[[], None] = lambda: None
-               ) -> tuple[float | None, BackendStepResult]:
-    """One optimizer step; ``before_update`` runs just before the states change (a background save ends)."""
+               num_microbatches: int, lr: float, before_update: Callable[[], None] = lambda: None,
+               schedule: str = "1f1b") -> tuple[float | None, BackendStepResult]:
+    """One optimizer step; ``before_update`` runs just before the states change (a background save ends);
+    ``schedule``: the pipeline schedule's name."""
     backend.zero_grad()
     stats = forward_backward(forward_step_func, data_iterator, backend.model, num_microbatches=num_microbatches,
-                             spec=spec, grad_scale_func=backend.scale_loss, no_sync=backend.no_sync)
+                             spec=spec, grad_scale_func=backend.scale_loss, passes=backend,
+                             schedule=schedule)
     backend.finish_grad_sync()
     before_update()
     result = backend.step(lr)
@@ -85,13 +87,14 @@ def train_step(backend: Backend, forward_step_func: ForwardStepFunc, data_iterat
 
 
 def evaluate(backend: Backend, forward_step_func: ForwardStepFunc, data_iterator, spec: p2p.TensorSpec,
-             num_microbatches: int, eval_iters: int) -> float | None:
+             num_microbatches: int, eval_iters: int, schedule: str = "1f1b") -> float | None:
     backend.model.eval()
     losses = []
     with torch.no_grad():
         for _ in range(eval_iters):
             stats = forward_backward(forward_step_func, data_iterator, backend.model,
-                                     num_microbatches=num_microbatches, spec=spec, forward_only=True)
+                                     num_microbatches=num_microbatches, spec=spec, forward_only=True,
+                                     schedule=schedule)
             losses.append(_average_losses(stats))
     backend.model.train()
     return sum(losses) / len(losses) if ps.is_pipeline_last_stage() else None
@@ -194,7 +197,7 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
             housekeeping.before_step(iteration)
             step_started = time.perf_counter()
             loss, step = train_step(backend, forward_step_func, train_iter, spec, par.microbatches(batch), lr,
-                                    before_update=checkpoints.wait_before_update)
+                                    before_update=checkpoints.wait_before_update, schedule=par.pipeline_schedule)
             if step.update_successful:
                 scheduler.step(batch)  # Megatron's schedule counts samples
             update_expert_bias(routers, ps.get_data_parallel_group())
@@ -228,7 +231,7 @@ def pretrain(cfg: Config, model_provider: Callable, datasets_provider: Callable,
             if valid_iter is not None and iteration % t.eval_interval == 0:
                 housekeeping.around_eval()
                 logger.log_eval(iteration, evaluate(backend, forward_step_func, valid_iter, spec,
-                                                    par.num_microbatches, t.eval_iters))
+                                                    par.num_microbatches, t.eval_iters, par.pipeline_schedule))
                 housekeeping.around_eval()
             decision = exits.check(checkpoints.minutes_since_save())
             if ck.save and (decision.save or (ck.save_interval and iteration % ck.save_interval == 0)):

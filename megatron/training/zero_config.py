@@ -104,7 +104,7 @@ def zero_cache_config(flags: DeepSpeedFlags, par: ParallelConfig, o: OptimizerCo
     # In the engine's terms a micro-batch is one backward pass over this rank's model: it shards over data x
     # context parallelism (context-parallel ranks hold the same weights, each trains its part of the batch), and
     # under the interleaved schedule each of a stage's v model chunks runs its own backward per micro-batch (the
-    # engine knows a step's gradients are final at its last pass).
+    # schedule tells the engine which pass is the step's last: backends/zero.py).
     cp, v = par.context_parallel_size, par.virtual_stages
     ds["gradient_accumulation_steps"] = par.num_microbatches * v
     ds["train_batch_size"] = par.global_batch_size * cp * v

@@ -22,7 +22,7 @@ from megatron.training.checkpoint.layout import model_layout
 from megatron.training.config import ConfigError
 from tests.training.parallel_harness import TINY_GPT
 
-Event = tuple[str, int, int]  # ("F" | "B", chunk, micro-batch)
+Event = tuple[str, int, int]  # ("F" | "B" | "W", chunk, micro-batch)
 
 
 def simulate(p: int, v: int, m: int, forward_only: bool = False, schedule=None) -> list[list[Event]]:
@@ -66,6 +66,10 @@ def simulate(p: int, v: int, m: int, forward_only: bool = False, schedule=None) 
                 ops.append(post("send", r, (r - 1) % p, "B", (c, mb, r)))
             else:
                 assert r == 0 and c == 0
+        for k in rd.weights:  # a split backward's weight pass, after its input-gradient pass
+            c, mb = plan.chunk(k, forward=False), plan.microbatch(k)
+            assert ("B", c, mb) in events[r] and ("W", c, mb) not in events[r]
+            events[r].append(("W", c, mb))
         if rd.recv_forward is not None:
             ops.append(post("recv", (r - 1) % p, r, "F", rd.recv_forward))
         if rd.recv_backward is not None:

@@ -64,6 +64,19 @@ def test_recompute_pipeline_bubble_and_model_flops():
     interleaved = predict(work(parallel=Parallel(pp=4, dp=2, virtual_stages=2)), H100)
     assert interleaved.bubble_micro_batches == 1.5
     assert interleaved.bubble_s < pp.bubble_s
+    # ZB-H1's rounds with equal forward, input and weight passes: 4/9 of 1F1B's bubble at PP 4, m 8.
+    zb = predict(work(parallel=Parallel(pp=4, dp=2, schedule="zb-h1")), H100)
+    assert zb.bubble_micro_batches == pytest.approx(4 / 3)
+    assert zb.step_s < pp.step_s and zb.micro_batch_s == pp.micro_batch_s
+
+
+def test_zero_bubble_stages_hold_pp_micro_batches():
+    """Every ZB-H1 stage may hold PP micro-batches (weight passes pending counted as whole ones); 1F1B's hold
+    PP - stage."""
+    from ptm_planner.activations import in_flight_chunks
+
+    assert [in_flight_chunks(4, s) for s in range(4)] == [4, 3, 2, 1]
+    assert [in_flight_chunks(4, s, schedule="zb-h1") for s in range(4)] == [4, 4, 4, 4]
 
 
 def test_flash_attention_skips_the_causal_half():
@@ -125,3 +138,23 @@ def test_where_collectives_take_the_compute_cores_nothing_hides():
     ring = Parallel(cp=2, dp=4)
     assert term(predict(work(parallel=ring), cpu), "context-parallel exchange (exposed)") > \
         term(predict(work(parallel=ring), ETH), "context-parallel exchange (exposed)")
+
+
+def test_a_zero_bubble_plan_is_written_as_flags_the_trainer_takes(tmp_path, capsys):
+    from megatron.training.arguments import parse_args
+    from ptm_planner.cli import EXIT_BAD_INPUT, EXIT_FITS, main
+
+    args, ds = tmp_path / "args.txt", tmp_path / "ds.json"
+    base = ["--size", "125m", "--profile", "h100", "--bf16", "--pipeline-model-parallel-size", "4",
+            "--gradient-accumulation-steps", "8"]
+    assert main(base + ["--enable-zero-bubble", "--explain", "--write-args", str(args), "--write-ds-config", str(ds)]) \
+        == EXIT_FITS
+    out = capsys.readouterr().out
+    assert "bubble 1.33)" in out
+    words = args.read_text().split()
+    assert words[words.index("--pipeline-schedule") + 1] == "zb-h1"
+    cfg = parse_args(words + ["--deepspeed", "--deepspeed_config", str(ds), "--train-iters", "1", "--lr", "1e-4",
+                              "--mock-data", "--global-batch-size", "32"], world_size=4)
+    assert cfg.parallel.pipeline_schedule == "zb-h1"
+    assert main(["--size", "125m", "--profile", "h100", "--enable-zero-bubble"]) == EXIT_BAD_INPUT
+    assert "needs --pipeline-model-parallel-size > 1" in capsys.readouterr().err

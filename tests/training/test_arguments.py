@@ -186,7 +186,7 @@ def test_tokenizer_and_data_flags_import_without_torch():
 
 def test_both_backends_implement_the_backend_interface():
     assert issubclass(MegatronBackend, Backend) and issubclass(ZeroBackend, Backend)
-    assert Backend.__abstractmethods__ == {"zero_grad", "scale_loss", "no_sync", "finish_grad_sync", "step",
+    assert Backend.__abstractmethods__ == {"zero_grad", "scale_loss", "backward_pass", "finish_grad_sync", "step",
                                            "checkpoint_states", "checkpoint_layout", "save_legacy_checkpoint",
                                            "load_legacy_checkpoint", "memory_tiers", "comm_stats",
                                            "local_state_dict"}

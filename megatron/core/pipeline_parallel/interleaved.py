@@ -21,6 +21,7 @@ This module is pure bookkeeping (no tensors, no communication; ``rounds.py``): `
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from megatron.core.pipeline_parallel.rounds import Round
 
@@ -33,6 +34,7 @@ class InterleavedSchedule:
     rank: int
     chunks: int
     microbatches: int
+    splits_backward: ClassVar[bool] = False
 
     def __post_init__(self):
         p, v, m = self.stages, self.chunks, self.microbatches

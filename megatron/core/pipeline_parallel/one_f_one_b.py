@@ -24,6 +24,7 @@ class OneFOneBSchedule:
     rank: int
     microbatches: int
     chunks: ClassVar[int] = 1
+    splits_backward: ClassVar[bool] = False
 
     def __post_init__(self):
         if self.stages < 2 or not 0 <= self.rank < self.stages or self.microbatches < 1:

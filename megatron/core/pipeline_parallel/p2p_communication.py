@@ -1,8 +1,10 @@
 """Point-to-point transfers of activations and gradients between adjacent pipeline stages.
 
-``exchange`` posts all its sends and receives together (``batch_isend_irecv``)
-and waits for them, so a round's exchange on one stage and its neighbours'
-(``rounds.py``: each send meets a receive) cannot deadlock. Shapes are static:
+``start_exchange`` posts all its sends and receives together
+(``batch_isend_irecv``) and ``Exchange.wait`` waits for them all, so a round's
+exchange on one stage and its neighbours' (``rounds.py``: each send meets a
+receive) cannot deadlock; between the two a schedule may compute what no
+neighbour waits for (weight gradients). Shapes are static:
 every micro-batch activation is [micro_batch_size, seq_length, hidden_size].
 
 The next and previous ranks wrap around the pipeline: under the interleaved
@@ -32,12 +34,25 @@ class TensorSpec:
     device: torch.device
 
 
-def exchange(spec: TensorSpec, send_next: torch.Tensor | None = None, send_prev: torch.Tensor | None = None,
-             recv_prev: bool = False, recv_next: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Send ``send_next`` (an activation) to the next stage and ``send_prev`` (a gradient) to the previous one, and
-    receive an activation from the previous stage and/or a gradient from the next, in one call; returns
-    (activation received, gradient received). The received activation requires grad (its gradient is what the
-    backward sends back)."""
+@dataclass
+class Exchange:
+    """A posted exchange; ``wait`` returns (activation received, gradient received) once every operation is done."""
+    requests: list
+    from_prev: torch.Tensor | None
+    from_next: torch.Tensor | None
+    sent: list[torch.Tensor]  # kept alive until the sends are done
+
+    def wait(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        for req in self.requests:
+            req.wait()
+        return self.from_prev, self.from_next
+
+
+def start_exchange(spec: TensorSpec, send_next: torch.Tensor | None = None, send_prev: torch.Tensor | None = None,
+                   recv_prev: bool = False, recv_next: bool = False) -> Exchange:
+    """Post the send of ``send_next`` (an activation) to the next stage and of ``send_prev`` (a gradient) to the
+    previous one, and the receives of an activation from the previous stage and/or a gradient from the next, in
+    one call. The received activation requires grad (its gradient is what the backward sends back)."""
     ops, from_prev, from_next = [], None, None
     group = ps.get_pipeline_model_parallel_group()
     prev, nxt = ps.get_pipeline_model_parallel_prev_rank(), ps.get_pipeline_model_parallel_next_rank()
@@ -51,7 +66,5 @@ def exchange(spec: TensorSpec, send_next: torch.Tensor | None = None, send_prev:
     if recv_next:
         from_next = torch.empty(spec.shape, dtype=spec.dtype, device=spec.device)
         ops.append(dist.P2POp(dist.irecv, from_next, nxt, group, _GRADIENT_TAG))
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
-    return from_prev, from_next
+    sent = [op.tensor for op in ops if op.op is dist.isend]
+    return Exchange(dist.batch_isend_irecv(ops) if ops else [], from_prev, from_next, sent)

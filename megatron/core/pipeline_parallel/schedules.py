@@ -14,25 +14,31 @@ interleaving every chunk runs every micro-batch, so ``forward_step_func`` is
 handed an iterator per chunk that replays the step's micro-batches, each read
 from ``data_iterator`` once.
 
-Gradient synchronisation across data-parallel ranks is held back (``no_sync``)
-for every backward except the last one that a parameter sees in the step: the
-step's last backward, or under interleaving each chunk's last, so the
-reductions happen once per step and overlap the backwards that follow.
+Each backward pass runs inside the gradient owner's ``backward_pass(last_of_chunk,
+last_of_step)`` (``backward_passes.py``): Megatron's DDP holds its all-reduce
+back for every backward but each chunk's last of the step, so the reductions
+happen once per step and overlap the backwards that follow; the zero_cache
+engine is told which pass is the step's last. Under a schedule that splits the
+backward (ZB-H1, ``zero_bubble.py``), a backward computes the input gradient
+inside the owner's ``deferred_weight_grads`` and its weight gradients run later
+(``backward_weights``), while a round's exchange is in flight.
 """
 from __future__ import annotations
 
 import contextlib
 from collections import deque
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import p2p_communication as p2p
+from megatron.core.pipeline_parallel.backward_passes import BackwardPasses, UnownedGradients
 from megatron.core.pipeline_parallel.interleaved import InterleavedSchedule
 from megatron.core.pipeline_parallel.model_chunks import ModelChunks
 from megatron.core.pipeline_parallel.one_f_one_b import OneFOneBSchedule
-from megatron.core.pipeline_parallel.rounds import PipelineSchedule
+from megatron.core.pipeline_parallel.rounds import SCHEDULES, PipelineSchedule
+from megatron.core.pipeline_parallel.zero_bubble import ZeroBubbleH1Schedule
 
 ForwardStepFunc = Callable[[Iterator, torch.nn.Module], tuple[torch.Tensor, Callable]]
 
@@ -107,47 +113,60 @@ class _Step:
         return input_tensor.grad if input_tensor is not None else None
 
 
-def pipeline_schedule(stages: int, rank: int, chunks: int, microbatches: int) -> PipelineSchedule:
-    """This pipeline rank's schedule: the interleaved 1F1B with several model chunks per stage, else 1F1B."""
-    if chunks > 1:
+def pipeline_schedule(name: str, stages: int, rank: int, chunks: int, microbatches: int) -> PipelineSchedule:
+    """This pipeline rank's schedule ``name`` (one of ``SCHEDULES``)."""
+    if name == "interleaved-1f1b":
         return InterleavedSchedule(stages, rank, chunks, microbatches)
-    return OneFOneBSchedule(stages, rank, microbatches)
+    if chunks > 1:
+        raise ValueError(f"the {name} schedule runs one model chunk per stage, not {chunks}")
+    if name == "zb-h1":
+        return ZeroBubbleH1Schedule(stages, rank, microbatches)
+    if name == "1f1b":
+        return OneFOneBSchedule(stages, rank, microbatches)
+    raise ValueError(f"unknown pipeline schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
 
 
 def forward_backward(forward_step_func: ForwardStepFunc, data_iterator, model, *, num_microbatches: int,
                      spec: p2p.TensorSpec, forward_only: bool = False,
                      grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                     no_sync: Callable[[], ContextManager] | None = None) -> list[dict]:
-    """Run one global batch; returns the loss stats of each micro-batch (on the last stage, else [])."""
+                     passes: BackwardPasses | None = None, schedule: str = "1f1b") -> list[dict]:
+    """Run one global batch; returns the loss stats of each micro-batch (on the last stage, else []).
+    ``schedule`` names the pipeline schedule (with more than one stage; ``SCHEDULES``)."""
     step = _Step(forward_step_func, data_iterator, model, num_microbatches, grad_scale_func)
-    no_sync = no_sync or contextlib.nullcontext
+    passes = passes or UnownedGradients()
     stages = ps.get_pipeline_model_parallel_world_size()
     if stages == 1:
-        _no_pipelining(step, forward_only, no_sync)
+        _no_pipelining(step, forward_only, passes)
     else:
-        schedule = pipeline_schedule(stages, ps.get_pipeline_model_parallel_rank(), step.chunks, num_microbatches)
-        _run_rounds(step, schedule, spec, forward_only, no_sync)
+        plan = pipeline_schedule(schedule, stages, ps.get_pipeline_model_parallel_rank(), step.chunks,
+                                 num_microbatches)
+        _run_rounds(step, plan, spec, forward_only, passes)
     return step.stats
 
 
-def _no_pipelining(step: _Step, forward_only: bool, no_sync) -> None:
+def _no_pipelining(step: _Step, forward_only: bool, passes: BackwardPasses) -> None:
     for i in range(step.num_microbatches):
         last = i == step.num_microbatches - 1
         with torch.no_grad() if forward_only else contextlib.nullcontext():
             output = step.forward(None)
         if not forward_only:
-            with no_sync() if not last else contextlib.nullcontext():
+            with passes.backward_pass(last_of_chunk=last, last_of_step=last):
                 step.backward(None, output, None)
 
 
 def _run_rounds(step: _Step, schedule: PipelineSchedule, spec: p2p.TensorSpec, forward_only: bool,
-                no_sync) -> None:
+                passes: BackwardPasses) -> None:
     """Run ``schedule``'s rounds; received tensors wait in per-chunk queues for their turn."""
     chunks = schedule.chunks
     inputs: list[deque] = [deque() for _ in range(chunks)]  # received activations, by chunk, in micro-batch order
     grads: list[deque] = [deque() for _ in range(chunks)]  # received output gradients
     saved: list[deque] = [deque() for _ in range(chunks)]  # (input, output) of forwards awaiting their backward
+    weights: dict[int, Any] = {}  # backward -> its weight gradients, kept for a later round (split backward)
     grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
+
+    def pass_of(k: int):  # the k-th backward's pass; a split backward's last is its weight pass
+        return passes.backward_pass(last_of_chunk=schedule.is_last_backward_of_chunk(k),
+                                    last_of_step=k == schedule.total - 1)
     for r in schedule.rounds(forward_only):
         output = input_grad = None
         if r.forward is not None:
@@ -161,13 +180,20 @@ def _run_rounds(step: _Step, schedule: PipelineSchedule, spec: p2p.TensorSpec, f
             c = schedule.chunk(r.backward, forward=False)
             input_tensor, output_tensor = saved[c].popleft()
             output_grad = grads[c].popleft() if schedule.grad_received(r.backward) else None
-            # A chunk's gradients are final in its last backward: that one reduces them.
-            sync = schedule.is_last_backward_of_chunk(r.backward)
-            with contextlib.nullcontext() if sync else no_sync():
-                input_grad = step.backward(input_tensor, output_tensor, output_grad)
-        received, received_grad = p2p.exchange(
+            if schedule.splits_backward:
+                with passes.backward_pass(False, False), passes.deferred_weight_grads() as kept:
+                    input_grad = step.backward(input_tensor, output_tensor, output_grad)
+                weights[r.backward] = kept
+            else:
+                with pass_of(r.backward):
+                    input_grad = step.backward(input_tensor, output_tensor, output_grad)
+        exchange = p2p.start_exchange(
             spec, send_next=output if r.send_forward else None, send_prev=input_grad if r.send_backward else None,
             recv_prev=r.recv_forward is not None, recv_next=r.recv_backward is not None)
+        for k in r.weights:  # while the neighbours' tensors travel
+            with pass_of(k):
+                passes.backward_weights(weights.pop(k))
+        received, received_grad = exchange.wait()
         if r.recv_forward is not None:
             inputs[r.recv_forward].append(received)
         if r.recv_backward is not None:

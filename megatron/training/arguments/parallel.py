@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from megatron.core.parallel_state import mesh_sizes
+from megatron.core.pipeline_parallel.rounds import SCHEDULES
 from megatron.core.transformer_config import CP_COMM_TYPES
 from megatron.training.batch_schedule import BatchSchedule, parse_step_schedule
 from megatron.training.config import ParallelConfig
@@ -42,6 +43,13 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
                    help="the interleaved 1F1B schedule: model chunks per pipeline stage (the other way to say "
                         "--num-layers-per-virtual-pipeline-stage)")
+    g.add_argument("--pipeline-schedule", choices=SCHEDULES, default=None,
+                   help="with --pipeline-model-parallel-size > 1: 1f1b (PipeDream-flush), interleaved-1f1b (several "
+                        "model chunks per stage, set by the two flags above) or zb-h1 (zero-bubble: each backward "
+                        "split into input and weight gradients, the weights computed where 1F1B waits; needs the "
+                        "zero_cache engine). Default: interleaved-1f1b with virtual stages, else 1f1b")
+    g.add_argument("--enable-zero-bubble", action="store_true",
+                   help="the zero-bubble fork's name for --pipeline-schedule zb-h1")
     g.add_argument("--micro-batch-size", type=int, required=True)
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="samples per step (default: --micro-batch-size x data-parallel size, or the last size of "
@@ -144,4 +152,15 @@ def parallel_config_from_args(args: argparse.Namespace, world_size: int) -> Para
         batch_schedule=schedule if schedule and not schedule.constant else None,
         expert_model_parallel_size=args.expert_model_parallel_size, context_parallel_size=cp,
         cp_comm_type=cp_comm_type, sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1,
-        virtual_pipeline_model_parallel_size=_virtual_stages(args))
+        virtual_pipeline_model_parallel_size=_virtual_stages(args), pipeline_schedule=_pipeline_schedule(args))
+
+
+def _pipeline_schedule(args: argparse.Namespace) -> str:
+    chosen = args.pipeline_schedule
+    if args.enable_zero_bubble:
+        if chosen not in (None, "zb-h1"):
+            raise ValueError(f"--enable-zero-bubble with --pipeline-schedule {chosen}: keep one")
+        chosen = "zb-h1"
+    if chosen is None:
+        return "interleaved-1f1b" if _virtual_stages(args) else "1f1b"
+    return chosen

@@ -98,6 +98,8 @@ def _config(args: argparse.Namespace, world_size: int) -> Config:
     zero = zero_cache_config(deepspeed, parallel, optimizer)
     if zero is not None:
         _check_engine(args, parallel)
+    if parallel.pipeline_schedule == "zb-h1":
+        _check_split_backward(model, zero is not None)
     return Config(model=model, parallel=parallel, train=train, optimizer=optimizer, scheduler=scheduler, data=data,
                   tokenizer=tokenizer, checkpoint=checkpoint, deepspeed=deepspeed, log=log, housekeeping=housekeeping,
                   stragglers=straggler_config_from_args(args), zero_cache=zero,
@@ -114,6 +116,17 @@ def _check_engine(args: argparse.Namespace, parallel: ParallelConfig) -> None:
         raise ValueError(f"--rampup-batch-size / --step-batch-size-schedule with {how}: the engine's gradient "
                          "accumulation is fixed at start-up; drop the schedule, or train without the engine (no "
                          f"{how}, or ZeRO stage 0)")
+
+
+def _check_split_backward(model: ModelConfig, engine: bool) -> None:
+    """ZB-H1 keeps the weight gradients of the linear and embedding layers, which write their own, for later."""
+    if not engine:
+        raise ValueError("--pipeline-schedule zb-h1 (--enable-zero-bubble) computes weight gradients apart from the "
+                         "backward, which the zero_cache engine does: add --use-distributed-optimizer or --deepspeed "
+                         "with a ZeRO stage >= 1")
+    if not model.gradient_accumulation_fusion:
+        raise ValueError("--pipeline-schedule zb-h1 (--enable-zero-bubble) with --no-gradient-accumulation-fusion: "
+                         "the split backward defers the weight gradients the layers write themselves; drop the flag")
 
 
 def _check_sequence_split(model: ModelConfig, parallel: ParallelConfig) -> None:

@@ -54,9 +54,18 @@ class Backend(abc.ABC):
         """The last stage's loss times the current loss scale, before backward."""
 
     @abc.abstractmethod
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        """A context in which backward holds back the data-parallel gradient reduction (all micro-batches
-        of a step but the last)."""
+    def backward_pass(self, last_of_chunk: bool, last_of_step: bool) -> contextlib.AbstractContextManager:
+        """Around one backward pass of the pipeline schedule (``megatron.core.pipeline_parallel.backward_passes``):
+        the last passes of a model chunk and of the step are where the data-parallel reduction completes."""
+
+    def deferred_weight_grads(self) -> contextlib.AbstractContextManager:
+        """Around the input-gradient pass of a split backward (zero-bubble schedules); yields the weight
+        gradients kept for ``backward_weights``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot split a backward")
+
+    def backward_weights(self, kept) -> None:
+        """The weight pass of a split backward."""
+        raise NotImplementedError(f"{type(self).__name__} cannot split a backward")
 
     @abc.abstractmethod
     def finish_grad_sync(self) -> None:

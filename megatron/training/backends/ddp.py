@@ -68,8 +68,9 @@ class MegatronBackend(Backend):
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.optimizer.scale_loss(loss)
 
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        return self.model.no_sync()
+    def backward_pass(self, last_of_chunk: bool, last_of_step: bool) -> contextlib.AbstractContextManager:
+        """All-reduce in a chunk's last backward of the step; hold the reduction back in the others."""
+        return contextlib.nullcontext() if last_of_chunk else self.model.no_sync()
 
     def finish_grad_sync(self) -> None:
         self.model.finish_grad_sync()

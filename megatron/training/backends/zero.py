@@ -93,8 +93,16 @@ class ZeroBackend(Backend):
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.model.loss_scale
 
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()  # the engine reduce-scatters per micro-batch into 1/N shards
+    def backward_pass(self, last_of_chunk: bool, last_of_step: bool) -> contextlib.AbstractContextManager:
+        """The engine reduce-scatters every pass into its shards; it is told which pass is the step's last."""
+        self.model.set_gradient_accumulation_boundary(last_of_step)
+        return contextlib.nullcontext()
+
+    def deferred_weight_grads(self) -> contextlib.AbstractContextManager:
+        return self.model.deferred_weight_grads()
+
+    def backward_weights(self, kept) -> None:
+        self.model.backward_weights(kept)
 
     def finish_grad_sync(self) -> None:
         """step() waits for the outstanding reduce-scatters and syncs tied embeddings."""
