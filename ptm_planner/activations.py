@@ -47,7 +47,8 @@ class ActivationLayout:
     layers_per_virtual_stage: int | None = None  # --num-layers-per-virtual-pipeline-stage (interleaved 1F1B)
     granularity: str | None = None  # --recompute-granularity without full recompute: None or "selective"
     offloaded_layers: int = 0  # --cpu-offloading-num-layers per model chunk (-1: all but the chunk's last)
-    pipeline_schedule: str = "1f1b"  # --pipeline-schedule with one model chunk per stage: 1f1b | zb-h1
+    # --pipeline-schedule with one model chunk per stage: 1f1b | zb-h1; None: the planner chooses (Option.schedule)
+    pipeline_schedule: str | None = None
 
     def seq_split(self, tp: int) -> int:
         return tp if self.sequence_parallel and tp > 1 else 1

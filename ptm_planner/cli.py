@@ -142,9 +142,10 @@ def add_long_context_args(p: argparse.ArgumentParser, g: argparse._ArgumentGroup
                                     "(every rank gathers the whole sequence's keys and values)"}),
         ("--num-layers-per-virtual-pipeline-stage", {"type": int, "default": None,
                                                      "help": "the interleaved 1F1B schedule's model chunk size"}),
-        ("--pipeline-schedule", {"choices": ["1f1b", "zb-h1"], "default": "1f1b",
+        ("--pipeline-schedule", {"choices": ["1f1b", "zb-h1"], "default": None,
                                  "help": "with one model chunk per stage: zb-h1 splits each backward and computes the "
-                                         "weight gradients where 1F1B waits (bubble and memory as the trainer's)"}),
+                                         "weight gradients where 1F1B waits (bubble and memory as the trainer's); "
+                                         "default: both are planned and the fastest that fits wins"}),
         ("--enable-zero-bubble", {"action": "store_true", "help": "--pipeline-schedule zb-h1"}),
         ("--cpu-offloading", {"action": "store_true", "help": "move saved activations of the first layers of each "
                               "model chunk to host memory (all but its last unless --cpu-offloading-num-layers)"}),

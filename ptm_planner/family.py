@@ -170,7 +170,7 @@ def plan(request: Request, largest_value: int | None = None, largest_by: str = "
     if not chosen.fits:
         page = planner.pages[0]
         fastest = Option("none", page, request.micro_batch_size, request.recompute_forced,
-                         planner.sub_group_sizes(page)[0])
+                         planner.sub_group_sizes(page)[0], schedule=planner.schedules()[0])
         result.largest_size = largest_size(request)
         result.needs = {"no offload": planner.requirements(fastest),
                         "states on SSD": planner.requirements(dataclasses.replace(planner.leanest(), offload="nvme"))}

@@ -96,7 +96,7 @@ def stage_activations(cfg: TransformerConfig, mesh: Mesh, layout: ActivationLayo
     setup = ActivationSetup(seq_length=cfg.seq_length, micro_batch=micro_batch, tp=mesh.tp,
                             sequence_parallel=layout.sequence_parallel, cp=mesh.cp, cp_comm_type=layout.cp_comm_type,
                             pp=mesh.pp, stage=stage.stage, virtual_stages=layout.virtual_stages(stage.num_layers),
-                            pipeline_schedule=layout.pipeline_schedule,
+                            pipeline_schedule=layout.pipeline_schedule or "1f1b",
                             recompute=recompute,
                             offloaded_layers=layout.offloaded_layers, device=device)
     return activation_memory(cfg, setup, stage.num_layers, stage.moe_layers)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import math
 import sys
 from collections import Counter
@@ -120,6 +121,7 @@ class Option:
     # or host-to-device copy of the parameters per micro-batch); tried first on an accelerator.
     keep_gathered: bool = False
     layout: str = "flat"  # across nodes (LAYOUTS): flat ZeRO-3, MiCS shard groups of a node, or hpZ secondary shards
+    schedule: str = "1f1b"  # the pipeline schedule with one model chunk per stage (Planner.schedules)
 
     @property
     def max_live(self) -> int:
@@ -322,7 +324,8 @@ class Planner:
                      // r.mesh.node_shard_dp if option.layout == "hpz" else 0)
         ns = non_state(r.model, r.mesh, stage, plans, micro_batch=option.micro_batch_size,
                        recompute=option.recompute, arena=self.arena(option), cpu=self.cpu,
-                       overhead=r.hardware.overhead, layout=r.layout,
+                       overhead=r.hardware.overhead,
+                       layout=dataclasses.replace(r.layout, pipeline_schedule=option.schedule),
                        results_miss_shards=option.offload in ("nvme", "cpu+nvme") or r.accumulation_steps > 1,
                        secondary=secondary)
         # A snapshot holds the shard's fp32 masters and both Adam moments; the next one is written before the
@@ -505,7 +508,7 @@ class Planner:
         mesh, layout = r.mesh, r.layout
         v = layout.virtual_stages(r.model.num_layers // mesh.pp)
         parallel = Parallel(tp=mesh.tp, pp=mesh.pp, cp=mesh.cp, ep=mesh.ep, dp=mesh.dp, virtual_stages=v,
-                            schedule=layout.pipeline_schedule, sequence_parallel=layout.seq_split(mesh.tp) > 1,
+                            schedule=opt.schedule, sequence_parallel=layout.seq_split(mesh.tp) > 1,
                             cp_comm_type=layout.cp_comm_type)
         micro_batches = self.micro_batches(opt)
         recompute = "full" if opt.recompute else layout.granularity
@@ -576,21 +579,33 @@ class Planner:
             return ranked[0][1] if ranked else self.evaluate(self.leanest())
         return self.first_fit()
 
+    def schedules(self) -> tuple[str, ...]:
+        """Pipeline schedules to try, in the order of the rules: the requested one; with PP > 1 and one model chunk
+        per stage both 1F1B and ZB-H1 (its bubble is smaller, its later stages hold more activations), else 1F1B
+        (the interleaved schedule follows from the layout)."""
+        r = self.request
+        if r.layout.pipeline_schedule is not None:
+            return (r.layout.pipeline_schedule,)
+        if r.mesh.pp > 1 and r.layout.virtual_stages(r.model.num_layers // r.mesh.pp) == 1:
+            return ("1f1b", "zb-h1")
+        return ("1f1b",)
+
     def candidates(self) -> Iterator[Evaluation]:
-        """Per offload (the first page where the leanest activations fit), activation choice and layout: the first
-        option that fits, largest sub-groups and kept-gathered arena first; in the order of the rules."""
+        """Per offload (the first page where the leanest activations fit), activation choice, layout and pipeline
+        schedule: the first option that fits, largest sub-groups and kept-gathered arena first; in the order of
+        the rules."""
         for offload in self.request.offloads:
             for page in self.pages:
                 sizes = {x: self.sub_group_sizes(page, offload, x) for x in self.layouts()}
                 sizes = {x: s[:1] if offload == "none" else s for x, s in sizes.items()}
                 if not self.best_rate(Option(offload, page, 1, self.request.recompute_allowed,
-                                             sizes["flat"][-1])).fits:
+                                             sizes["flat"][-1], schedule=self.schedules()[0])).fits:
                     continue  # not even the leanest activations fit
                 for mb, rc in self.activation_options():
-                    for layout, layout_sizes in sizes.items():
+                    for (layout, layout_sizes), schedule in itertools.product(sizes.items(), self.schedules()):
                         ev = next((ev for size in layout_sizes for keep in self.keep_choices()
                                    if (ev := self.best_rate(Option(offload, page, mb, rc, size, keep_gathered=keep,
-                                                                   layout=layout))).fits), None)
+                                                                   layout=layout, schedule=schedule))).fits), None)
                         if ev is not None:
                             yield ev
                 break
@@ -612,7 +627,8 @@ class Planner:
         full recompute (unless activations are offloaded)."""
         offload = "nvme" if "nvme" in self.request.offloads else self.request.offloads[-1]
         page = self.pages[-1]
-        return Option(offload, page, 1, self.request.recompute_allowed, self.sub_group_sizes(page)[-1])
+        return Option(offload, page, 1, self.request.recompute_allowed, self.sub_group_sizes(page)[-1],
+                      schedule=self.schedules()[0])
 
     def feasible(self) -> bool:
         """Whether any allowed offload fits with the leanest pages and activations (on a CPU machine the

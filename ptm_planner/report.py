@@ -16,7 +16,7 @@ from ptm_planner.step_model import StepPrediction
 from zero_cache.store import DEVICE, HOST, NVME, TIERS
 
 
-def long_context_args(r: Request, full_recompute: bool) -> list[str]:
+def long_context_args(r: Request, full_recompute: bool, schedule: str = "1f1b") -> list[str]:
     """The planned activation layout as the trainer's flags (what differs from its defaults)."""
     layout, mesh, m = r.layout, r.mesh, r.model
     out = []
@@ -32,8 +32,8 @@ def long_context_args(r: Request, full_recompute: bool) -> list[str]:
         out += ["--context-parallel-size", str(mesh.cp), "--cp-comm-type", layout.cp_comm_type]
     if layout.virtual_stages(m.num_layers // mesh.pp) > 1:
         out += ["--num-layers-per-virtual-pipeline-stage", str(layout.layers_per_virtual_stage)]
-    if layout.pipeline_schedule != "1f1b":
-        out += ["--pipeline-schedule", layout.pipeline_schedule]
+    if schedule != "1f1b":
+        out += ["--pipeline-schedule", schedule]
     if layout.offloaded_layers:
         out += ["--cpu-offloading"] + (["--cpu-offloading-num-layers", str(layout.offloaded_layers)]
                                        if layout.offloaded_layers > 0 else [])
@@ -64,7 +64,7 @@ def megatron_args(p: Plan) -> list[str]:
     if opt.recompute:
         out += ["--recompute-granularity", "full", "--recompute-method", m.recompute_method,
                 "--recompute-num-layers", str(m.recompute_num_layers)]
-    out += long_context_args(r, opt.recompute)
+    out += long_context_args(r, opt.recompute, opt.schedule)
     out += ["--tensor-model-parallel-size", str(r.mesh.tp), "--pipeline-model-parallel-size", str(r.mesh.pp)]
     return out + moe_megatron_args(m.moe, r.mesh.ep)
 
@@ -200,9 +200,10 @@ def prediction_json(pred: StepPrediction) -> dict:
 
 
 def option_text(r: Request, o) -> str:
+    schedule = f", schedule {o.schedule}" if r.mesh.pp > 1 else ""
     return (f"offload={o.offload}, layout {o.layout}, micro-batch {o.micro_batch_size}, recompute "
             f"{recompute_text(r, o.recompute)}, keep gathered {'yes' if o.keep_gathered else 'no'}, "
-            f"sub_group_size {o.sub_group_size}, rate {o.rate}")
+            f"sub_group_size {o.sub_group_size}, rate {o.rate}{schedule}")
 
 
 def sources_text(sources: dict[str, str]) -> str:
@@ -245,7 +246,8 @@ def summary(p: Plan) -> str:
         o = p.chosen.option
         return (f"fits: {describe_model(r)} on {r.mesh.world} processes (TP {r.mesh.tp}, {cp}PP {r.mesh.pp}, "
                 f"DP {r.mesh.dp}) with offload={o.offload}, micro-batch {o.micro_batch_size}"
-                f"{', full recompute' if o.recompute else ''}")
+                f"{', full recompute' if o.recompute else ''}"
+                f"{f', pipeline schedule {o.schedule}' if r.mesh.pp > 1 else ''}")
     lines = [f"does not fit: {describe_model(r)} on {r.mesh.world} processes (TP {r.mesh.tp}, {cp}PP {r.mesh.pp}, "
              f"DP {r.mesh.dp}) of this hardware:"]
     lines += [f"  - {f}" for f in p.chosen.failures]
@@ -348,7 +350,8 @@ def table(p: Plan, sources: dict[str, str]) -> str:
            f"option: offload={ev.option.offload}, layout {layout_text(r, ev.option.layout)}, "
            f"micro-batch {ev.option.micro_batch_size}, "
            f"recompute {recompute_text(r, ev.option.recompute)}, sub_group_size {ev.option.sub_group_size}, "
-           f"prefetch_cache_sub_group_rate {ev.option.rate}", ""]
+           f"prefetch_cache_sub_group_rate {ev.option.rate}"
+           + (f", pipeline schedule {ev.option.schedule}" if r.mesh.pp > 1 else ""), ""]
     cols = ["tier", "params", "grads", "optimizer", "staging", "gathered", "reduce", "activations", "logits",
             "overhead", "total"]
     for st in ev.stages:

@@ -13,6 +13,7 @@ _LAZY = {
     "SSDStore": ".ssd_store", "SSDTierError": ".aio",
     "ActivationOffloader": ".activation_offload", "ActivationOffloadOptions": ".activation_offload",
     "ActivationOffloadStats": ".activation_offload",
+    "set_z3_leaf_modules": ".leaf_modules", "set_z3_leaf_module": ".leaf_modules", "z3_leaf_module": ".leaf_modules",
 }
 
 __all__ = [*_LAZY]

@@ -69,6 +69,7 @@ from .aio import round_up
 from .chunk import FlatChunk
 from .comm import Handle
 from .config import ZeroConfigError, ZeroOptimizationConfig
+from .leaf_modules import z3_leaf_module
 from .lifecycle import ChunkEvents, ChunkListener
 from .param_arena import ParamArena, arena_numel, region_numel
 from .states import State
@@ -165,8 +166,16 @@ class ParamCoordinator(ChunkListener):
 
     # ---- registration -------------------------------------------------------------------------------
     def _register_model(self, model: nn.Module) -> None:
+        """Hook each module that owns parameters, or a leaf module (leaf_modules.py) for all of its own and its
+        descendants' (which get no hooks)."""
+        inside: set[nn.Module] = set()  # the descendants of leaf modules
         for m in model.modules():
-            ids = sorted({self.chunk_of[id(p)] for p in m.parameters(recurse=False) if id(p) in self.chunk_of})
+            if m in inside:
+                continue
+            leaf = z3_leaf_module(m)
+            if leaf:
+                inside.update(m.modules())
+            ids = sorted({self.chunk_of[id(p)] for p in m.parameters(recurse=leaf) if id(p) in self.chunk_of})
             if ids:
                 self._attach(m, ids)
 

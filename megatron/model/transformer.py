@@ -199,6 +199,7 @@ class TransformerLayer(nn.Module):
         self.self_attention = Attention(config, prefix + "self_attention.", rng_tracker)
         self.pre_mlp_layernorm = build_norm(config)
         self.mlp = build_mlp(config, prefix + "mlp.", layer_number, aux_loss_scale, moe_stats)
+        self.is_moe = config.is_moe_layer(layer_number)
         self.config, self.rng_tracker = config, rng_tracker
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:

@@ -70,6 +70,7 @@ class ModelConfig:
     seed: int = 1234  # weights are initialised from (seed, parameter name)
     gradient_accumulation_fusion: bool = True  # linear/embedding layers add weight gradients into the buffers
     attention_backend: str = "auto"  # scaled_dot_product_attention's kernel (attention_backend.py); not the model's
+    compile: bool = False  # --compile: torch.compile each dense transformer layer (training/compile.py)
     moe: MoEConfig | None = None  # mixture-of-experts MLPs (--num-experts ...); None: dense
 
     def __post_init__(self):

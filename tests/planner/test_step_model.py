@@ -158,3 +158,18 @@ def test_a_zero_bubble_plan_is_written_as_flags_the_trainer_takes(tmp_path, caps
     assert cfg.parallel.pipeline_schedule == "zb-h1"
     assert main(["--size", "125m", "--profile", "h100", "--enable-zero-bubble"]) == EXIT_BAD_INPUT
     assert "needs --pipeline-model-parallel-size > 1" in capsys.readouterr().err
+
+
+def test_the_planner_chooses_the_schedule_by_step_time(tmp_path, capsys):
+    """PP 4 with a GPU profile: both schedules fit and ZB-H1's smaller bubble wins, unless a schedule is asked for."""
+    from ptm_planner.cli import EXIT_FITS, main
+
+    base = ["--size", "125m", "--profile", "h100", "--bf16", "--pipeline-model-parallel-size", "4",
+            "--gradient-accumulation-steps", "8", "--explain", "--write-args"]
+    assert main(base + [str(tmp_path / "chosen.txt")]) == EXIT_FITS
+    out = capsys.readouterr().out
+    assert "with offload=none, micro-batch 8, pipeline schedule zb-h1" in out and ", schedule 1f1b; step" in out
+    assert "--pipeline-schedule zb-h1" in (tmp_path / "chosen.txt").read_text().replace("\n", " ")
+    assert main(base + [str(tmp_path / "asked.txt"), "--pipeline-schedule", "1f1b"]) == EXIT_FITS
+    assert "pipeline schedule 1f1b" in capsys.readouterr().out
+    assert "--pipeline-schedule" not in (tmp_path / "asked.txt").read_text()

@@ -73,6 +73,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--cpu-offloading-num-layers", type=int, default=None,
                    help="layers per model chunk whose activations --cpu-offloading moves (fewer than the chunk's "
                         "layers: the last one's backward comes first; default all but that last one)")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each dense transformer layer (torchtitan's per-block compile; mixture-of-"
+                        "experts layers stay eager). The ZeRO-3 gathers and the engine's hooks stay outside the "
+                        "compiled layers, which return their weight gradients through autograd (no gradient-"
+                        "accumulation fusion inside them)")
     g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
                    help="linear and embedding layers return their weight gradients through autograd instead of "
                         "adding them into the gradient buffers themselves (main_grad, or the ZeRO engine's with "
@@ -128,6 +133,8 @@ def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
     if args.cpu_offloading and granularity == "full":
         raise ValueError("--cpu-offloading with --recompute-granularity full: full recompute keeps only each layer's "
                          "input, there is nothing left to offload; choose one (selective recompute combines)")
+    if args.compile:
+        _check_compile(args, granularity)
     rope = args.use_rotary_position_embeddings or args.position_embedding_type == "rope"
     return ModelConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
@@ -144,5 +151,19 @@ def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
         recompute_granularity=granularity,
         cpu_offloading_num_layers=_offloaded_layers(args),
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers, seed=args.seed,
-        gradient_accumulation_fusion=args.gradient_accumulation_fusion, attention_backend=_attention_backend(args),
-        moe=moe_config_from_args(args))
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion and not args.compile,
+        attention_backend=_attention_backend(args), compile=args.compile, moe=moe_config_from_args(args))
+
+
+def _check_compile(args: argparse.Namespace, granularity: str | None) -> None:
+    """What a compiled layer cannot hold: hooks on the tensors it saves, a recompute region inside it, weight
+    gradients kept for later."""
+    if args.cpu_offloading:
+        raise ValueError("--compile with --cpu-offloading: the offload hooks the tensors a layer saves, which the "
+                         "compiled layers do not expose; drop one")
+    if granularity == "selective":
+        raise ValueError("--compile with --recompute-granularity selective: the recomputed attention core sits "
+                         "inside the compiled layer; use --recompute-granularity full (whole layers) or drop one")
+    if args.enable_zero_bubble or args.pipeline_schedule == "zb-h1":
+        raise ValueError("--compile with --pipeline-schedule zb-h1: the split backward keeps the weight gradients "
+                         "that layers write themselves, which compiled layers leave to autograd; drop one")

@@ -9,6 +9,7 @@ from megatron.core.pipeline_parallel.model_chunks import ModelChunks
 from megatron.training.backends.base import Backend
 from megatron.training.backends.ddp import MegatronBackend
 from megatron.training.backends.zero import ZeroBackend, build_lazy_model
+from megatron.training.compile import compile_blocks
 from megatron.training.config import Config
 
 
@@ -25,9 +26,11 @@ def build_model(cfg: Config, model_provider, model_cfg, rng_tracker, device: tor
         return ModelChunks([model_provider(model_cfg, rng_tracker, virtual_stage=k, virtual_stages=v)
                             for k in range(v)])
 
-    if cfg.zero_cache is not None:
-        return build_lazy_model(build, device)
-    return build().to(device)
+    model = build_lazy_model(build, device) if cfg.zero_cache is not None else build().to(device)
+    if cfg.model.compile:
+        par = cfg.parallel
+        compile_blocks(model, fullgraph=par.tensor_model_parallel_size == 1 and par.context_parallel_size == 1)
+    return model
 
 
 def build_backend(cfg: Config, model: torch.nn.Module) -> Backend:
