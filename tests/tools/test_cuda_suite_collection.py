@@ -51,9 +51,11 @@ EXPECTED = {
     "test_cuda_streams.py::test_bf16_update_under_the_next_forward_equals_the_waiting_step[nvme]",
     "test_cuda_sync_free_step.py::test_sync_counter_sees_every_thread_and_backward_hooks",
     "test_cuda_sync_free_step.py::test_steady_state_step_synchronises_the_host_once",
+    "test_cuda_compile.py::test_compiled_layers_on_gpu_train_as_eager",
 }
 # The tests that start processes (NCCL ranks through run_distributed): they need @pytest.mark.multiprocess.
 STARTS_PROCESSES = {
+    "test_cuda_compile.py::test_compiled_layers_on_gpu_train_as_eager",
     "test_cuda_paths.py::test_nccl_group_of_one_through_the_engine_comm_path",
     "test_cuda_paths.py::test_trainer_deepspeed_on_gpu_matches_megatron_backend",
     "test_cuda_moe.py::test_moe_layer_on_cuda_equals_the_cpu_layer",

@@ -28,8 +28,7 @@ def build_model(cfg: Config, model_provider, model_cfg, rng_tracker, device: tor
 
     model = build_lazy_model(build, device) if cfg.zero_cache is not None else build().to(device)
     if cfg.model.compile:
-        par = cfg.parallel
-        compile_blocks(model, fullgraph=par.tensor_model_parallel_size == 1 and par.context_parallel_size == 1)
+        compile_blocks(model)
     return model
 
 
