@@ -202,9 +202,10 @@ def layout_from_args(args: argparse.Namespace, mesh: Mesh) -> ActivationLayout:
                          "input, there is nothing left to offload; choose one (selective recompute combines)")
     granularity = "selective" if args.recompute_granularity == "selective" else None
     schedule = "zb-h1" if args.enable_zero_bubble else args.pipeline_schedule
-    if schedule == "zb-h1" and (pp == 1 or n is not None):
+    if schedule == "zb-h1" and ((pp == 1 and not args.search_parallel) or n is not None):
         raise ValueError("--pipeline-schedule zb-h1 (--enable-zero-bubble) needs --pipeline-model-parallel-size > 1 "
-                         "and one model chunk per stage (no --num-layers-per-virtual-pipeline-stage)")
+                         "(or --search-parallel) and one model chunk per stage (no "
+                         "--num-layers-per-virtual-pipeline-stage)")
     return ActivationLayout(sp, args.cp_comm_type, n, granularity, offloaded, schedule)
 
 
@@ -295,6 +296,11 @@ def request_from_args(argv: list[str]) -> tuple[Request, argparse.Namespace]:
                    known.size, speeds, args.gradient_accumulation_steps, layout, profile, copies), args
 
 
+def _chunks(r: Request) -> str:
+    v = r.layout.virtual_stages(r.model.num_layers // r.mesh.pp)
+    return f" ({v} model chunks each)" if v > 1 else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--list-sizes" in argv:
@@ -318,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             request = ranked[0][0]
             best = ranked[0][1].step_s / ranked[0][1].tokens
             split_lines = ["splits of the ranks (--search-parallel), fastest predicted first:"] + [
-                f"  TP {r.mesh.tp} PP {r.mesh.pp} DP {r.mesh.dp}: {pred.tokens_per_s:,.0f} tokens/s, "
+                f"  TP {r.mesh.tp} PP {r.mesh.pp}{_chunks(r)} DP {r.mesh.dp}: {pred.tokens_per_s:,.0f} tokens/s, "
                 f"{pred.step_s / pred.tokens / best:.2f}x the chosen's time per token" for r, pred in ranked]
         found = None
         if args.largest:

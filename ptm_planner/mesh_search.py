@@ -4,9 +4,11 @@ seconds per token (step_model.py).
 
 Candidates: TP over the divisors of the processes per node (Megatron keeps a TP group inside a node) that divide
 the heads, the query groups and the ffn width; PP over the divisors of the rest that divide the layers (and the
-interleaved chunk size, when one is given); CP and EP as requested. Each is planned as the request itself would be
-(its own memory plan and choice) at the same global batch (fewer replicas, more micro-batches each), the
-vocabulary padded for its TP as the trainer pads it.
+interleaved chunk size, when one is given); with PP > 1 and no chunk size given, also the interleaved schedule
+with 2 and 4 model chunks per stage where the layers and the micro-batches allow; CP and EP as requested. Each is
+planned as the request itself would be (its own memory plan and choice, the pipeline schedule among them) at the
+same global batch (fewer replicas, more micro-batches each), the vocabulary padded for its TP as the trainer pads
+it.
 """
 from __future__ import annotations
 
@@ -23,8 +25,21 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+VIRTUAL_STAGES = (2, 4)  # model chunks per stage tried for the interleaved schedule
+
+
+def _interleavings(request: Request, pp: int, micro_batches: int) -> list[int | None]:
+    """Layers per model chunk to plan for PP ``pp``: the requested one; else none (one chunk) and every
+    VIRTUAL_STAGES split the layers and the micro-batches allow (the interleaved schedule takes a multiple of PP)."""
+    given = request.layout.layers_per_virtual_stage
+    if given or pp == 1 or request.layout.pipeline_schedule is not None:
+        return [given]
+    per_stage = request.model.num_layers // pp
+    return [None] + [per_stage // v for v in VIRTUAL_STAGES if per_stage % v == 0 and micro_batches % pp == 0]
+
+
 def splits(request: Request, vocab_size: int) -> list[Request]:
-    """The request on every valid TP x PP split of its ranks (its own split among them)."""
+    """The request on every valid TP x PP (x interleaving) split of its ranks (its own split among them)."""
     m, mesh, layout = request.model, request.mesh, request.layout
     out = []
     for tp in _divisors(mesh.nproc_per_node):
@@ -43,7 +58,10 @@ def splits(request: Request, vocab_size: int) -> list[Request]:
                 vocab_size, request.make_vocab_size_divisible_by, tp))
             # The same global batch: fewer replicas take more micro-batches each.
             steps = max(1, request.accumulation_steps * mesh.dp // candidate.dp)
-            out.append(dataclasses.replace(request, mesh=candidate, model=model, accumulation_steps=steps))
+            for chunk in _interleavings(request, pp, steps):
+                layout = dataclasses.replace(layout, layers_per_virtual_stage=chunk)
+                out.append(dataclasses.replace(request, mesh=candidate, model=model, accumulation_steps=steps,
+                                               layout=layout))
     return out
 
 

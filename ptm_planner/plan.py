@@ -580,15 +580,15 @@ class Planner:
         return self.first_fit()
 
     def schedules(self) -> tuple[str, ...]:
-        """Pipeline schedules to try, in the order of the rules: the requested one; with PP > 1 and one model chunk
-        per stage both 1F1B and ZB-H1 (its bubble is smaller, its later stages hold more activations), else 1F1B
-        (the interleaved schedule follows from the layout)."""
+        """Pipeline schedules to try, in the order of the rules. With PP > 1 and one model chunk per stage: the
+        requested one, else both 1F1B and ZB-H1 (its bubble is smaller, its later stages hold more activations).
+        Otherwise 1F1B: no pipeline, or the interleaved schedule, which follows from the layout."""
         r = self.request
+        if r.mesh.pp == 1 or r.layout.virtual_stages(r.model.num_layers // r.mesh.pp) > 1:
+            return ("1f1b",)
         if r.layout.pipeline_schedule is not None:
             return (r.layout.pipeline_schedule,)
-        if r.mesh.pp > 1 and r.layout.virtual_stages(r.model.num_layers // r.mesh.pp) == 1:
-            return ("1f1b", "zb-h1")
-        return ("1f1b",)
+        return ("1f1b", "zb-h1")
 
     def candidates(self) -> Iterator[Evaluation]:
         """Per offload (the first page where the leanest activations fit), activation choice, layout and pipeline

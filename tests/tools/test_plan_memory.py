@@ -413,3 +413,20 @@ def test_search_parallel_takes_the_fastest_split_and_writes_it(capsys):
     capsys.readouterr()
     assert main(["--size", "125m", "--search-parallel"] + BOX) == EXIT_BAD_INPUT
     assert "--search-parallel ranks splits by predicted speed" in capsys.readouterr().err
+
+
+def test_search_parallel_also_plans_the_interleaved_schedule():
+    """With PP > 1 and no chunk size or schedule asked for, 2 and 4 model chunks per stage are candidates where the
+    layers and the micro-batches (a multiple of PP) allow; a requested schedule pins one chunk per stage."""
+    from ptm_planner.cli import request_from_args
+    from ptm_planner.mesh_search import splits
+
+    node = ["--size", "1.3b", "--bf16", "--profile", "a100-eth", "--nnodes", "4", "--gradient-accumulation-steps", "2",
+            "--search-parallel"]
+    request, args = request_from_args(node)
+    chunks = {(r.mesh.tp, r.mesh.pp, r.layout.layers_per_virtual_stage) for r in splits(request, args.vocab_size)}
+    assert {(1, 4, None), (1, 4, 3), (1, 2, 6), (1, 2, 3)} <= chunks  # 24 layers: 6 or 12 per stage
+    assert (1, 8, 1) not in chunks  # 16 micro-batches per step on TP 1 x PP 8 x DP 4, but 3 layers per stage
+    assert all(n is None or r_pp > 1 for _, r_pp, n in chunks)
+    request, args = request_from_args(node + ["--pipeline-schedule", "zb-h1"])
+    assert {r.layout.layers_per_virtual_stage for r in splits(request, args.vocab_size)} == {None}
