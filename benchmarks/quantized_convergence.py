@@ -5,10 +5,10 @@ laid out as 2 nodes x 2 (``zero_hpz_partition_size`` 2 makes the node), one run 
 
 Layouts: ``exact`` (flat ZeRO-3), ``zero++`` (hpZ secondary shards + int8 weight gathers + int4 gradient
 exchange across nodes), ``zero++-int8`` (the same with int8 gradients), ``qwz`` and ``qgz`` (hpZ with only the
-weights or only the gradients quantized), and ``mics`` (exact MiCS shard groups of 2: the same sums in another
-order, the size of the drift any change of rounding causes). Same model, initial weights, data order and
-learning-rate schedule:
-every layout sees the same batches, so the batch-to-batch noise is common to all. Prints per layout the final
+weights or only the gradients quantized; ``qgz-ef`` the latter with error feedback), and ``mics`` (exact MiCS
+shard groups of 2: the same sums in another order, the size of the drift any change of rounding causes). Same
+model, initial weights, data order and learning-rate schedule: every layout sees the same batches, so the
+batch-to-batch noise is common to all. Prints per layout the final
 loss (mean of the last 50 logged iterations) and its relative difference from the first layout; writes
 ``losses.csv`` and ``losses.png`` (the curves) to ``--out-dir``.
 """
@@ -33,6 +33,8 @@ LAYOUTS = {"exact": {}, "zero++": {**ZEROPP, "quantized_gradients_bits": 4},
            "zero++-int8": {**ZEROPP, "quantized_gradients_bits": 8},
            "qwz": {"zero_hpz_partition_size": 2, "zero_quantized_weights": True},
            "qgz": {"zero_hpz_partition_size": 2, "zero_quantized_gradients": True},
+           "qgz-ef": {"zero_hpz_partition_size": 2, "zero_quantized_gradients": True,
+                      "quantized_gradients_error_feedback": True},
            "mics": {"mics_shard_size": 2}}
 
 

@@ -151,7 +151,8 @@ def build_engine_parts(model: nn.Module, cfg: ZeroCacheConfig, *, dp_group=None,
             cross=comm_of(topology.cross) if topology.cross is not None else None,
             secondary=z.zero_hpz_partition_size > 1, quantize_weights=z.zero_quantized_weights,
             quantize_grads=z.zero_quantized_gradients, block=z.quantization_block_size,
-            grad_bits=z.quantized_gradients_bits, two_hop=topology.node is not None and comm_of(g).p2p))
+            grad_bits=z.quantized_gradients_bits, two_hop=topology.node is not None and comm_of(g).p2p,
+            error_feedback=z.quantized_gradients_error_feedback))
 
     pin = z.offload_param.pin_memory or z.offload_optimizer.pin_memory
     host_bytes = HostArena.reserve_for([s.nbytes for layout in placed.layouts for s in layout if s.tier == HOST])

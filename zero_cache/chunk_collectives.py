@@ -11,7 +11,10 @@
   rank's own piece included, so every rank computes with the same weights.
 - qgZ (``quantize_grads``, with ``node`` and ``cross``): the chunk's gradient buffer is reduce-scattered inside
   the node in its own precision, then each rank sends the pieces of its slice that other hosts own as int4 or
-  int8 blocks (``grad_bits``; an all-to-all over ``cross``) and sums what it receives in fp32.
+  int8 blocks (``grad_bits``; an all-to-all over ``cross``) and sums what it receives in fp32. With
+  ``error_feedback`` each rank keeps, per chunk (the collective's tag names it), what quantizing its slice lost,
+  in fp32, and adds it to the slice before quantizing the chunk's next reduction: the error does not pile up over
+  the micro-batches and steps, it is carried to the next one (1/L of the chunk's fp32 size per rank, L = node).
 - Two hops (``two_hop``, gloo groups that span hosts): a gather runs across hosts first, each rank fetching only
   the pieces of its own place on the other hosts, then inside the node; a reduce-scatter runs inside the node
   first, then across hosts. Each element crosses the host links once per host instead of once per remote rank
@@ -47,7 +50,8 @@ class _Then:
 class ChunkCollectives:
     def __init__(self, shard: Comm, *, replicate: Comm | None = None, node: Comm | None = None,
                  cross: Comm | None = None, secondary: bool = False, quantize_weights: bool = False,
-                 quantize_grads: bool = False, block: int = 256, grad_bits: int = 8, two_hop: bool = False):
+                 quantize_grads: bool = False, block: int = 256, grad_bits: int = 8, two_hop: bool = False,
+                 error_feedback: bool = False):
         if (secondary or quantize_grads or two_hop) and (node is None or cross is None):
             raise ValueError("secondary shards, quantized gradients and two-hop collectives need the node and "
                              "cross-node groups")
@@ -58,6 +62,7 @@ class ChunkCollectives:
         self.quantize_weights = quantize_weights and shard.size > 1
         self.quantize_grads = quantize_grads and cross is not None and cross.size > 1
         self.two_hop = two_hop and node.size > 1 and cross.size > 1
+        self.residuals: dict[str, torch.Tensor] | None = {} if error_feedback and self.quantize_grads else None
         self.block = block
         self.grad_bits = grad_bits
 
@@ -147,8 +152,14 @@ class ChunkCollectives:
         def quantized() -> None:
             nbytes = packed_nbytes(piece, self.block, self.grad_bits)
             send = torch.empty((hosts, nbytes), dtype=torch.uint8, device=full.device)
+            src = mid if self.residuals is None else self._with_residual(tag, mid)
             for h in range(hosts):
-                quantize_into(send[h], mid[h * piece:(h + 1) * piece], self.block, self.grad_bits)
+                quantize_into(send[h], src[h * piece:(h + 1) * piece], self.block, self.grad_bits)
+            if self.residuals is not None:  # what this quantization lost goes into the next one
+                for h in range(hosts):
+                    dequantize_into(src[h * piece:(h + 1) * piece], send[h], self.block, accumulate=False,
+                                    bits=self.grad_bits)
+                self.residuals[tag].sub_(src)
             recv = torch.empty_like(send)
             self.cross.all_to_all(recv, send, tag=tag)
             acc = out if out.dtype == torch.float32 else torch.empty(piece, dtype=torch.float32, device=out.device)
@@ -157,3 +168,12 @@ class ChunkCollectives:
             if acc is not out:
                 out.copy_(acc)
         return _Then(first, quantized if self.quantize_grads else exact)
+
+    def _with_residual(self, tag: str, mid: torch.Tensor) -> torch.Tensor:
+        """``mid`` plus what quantizing the chunk's last slice lost, in fp32; the residual then holds that sum
+        (the caller subtracts what it sends)."""
+        residual = self.residuals.get(tag)
+        if residual is None:
+            residual = self.residuals[tag] = torch.zeros(mid.numel(), dtype=torch.float32, device=mid.device)
+        residual.add_(mid)
+        return residual.clone()

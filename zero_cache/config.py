@@ -355,6 +355,11 @@ class ZeroOptimizationConfig:
         "nodes as int8 blocks (an all-to-all, summed in fp32 on arrival). The node is zero_hpz_partition_size "
         "ranks when that is above 1, else the data-parallel ranks torchrun started on this host "
         "(LOCAL_WORLD_SIZE). Not with mics_shard_size."))
+    quantized_gradients_error_feedback: bool = field(default=False, metadata=key(
+        "With zero_quantized_gradients: each rank keeps what quantizing its node-reduced slice of a chunk lost "
+        "(fp32, 4/ranks-per-node bytes per parameter) and adds it to the chunk's next cross-node reduction, so "
+        "the rounding error is carried forward instead of lost (error feedback); no effect without "
+        "zero_quantized_gradients."))
     quantized_gradients_bits: int = field(default=4, metadata=key(
         "Bits per gradient element in zero_quantized_gradients' cross-node exchange: 4 (ZeRO++'s choice, a quarter "
         "of bf16's bytes) or 8.", choices=(4, 8)))

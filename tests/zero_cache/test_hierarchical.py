@@ -1,6 +1,7 @@
 """Hierarchical ZeRO-3 on 4 ranks laid out as 2 hosts x 2 (LOCAL_WORLD_SIZE=2): flat ZeRO-3's two-hop gloo
 collectives, MiCS/HSDP shard groups and hpZ secondary shards give the single-process reference's losses and
-weights (fp32, 1e-5); quantized gathers and gradients (qwZ, qgZ) stay close to it; every layout issues its
+weights (fp32, 1e-5); quantized gathers and gradients (qwZ, qgZ, qgZ with error feedback) stay close to it, and
+error feedback carries qgZ's rounding error forward; every layout issues its
 collectives in the same order on every rank whatever the timing; a checkpoint moves between flat and
 hierarchical layouts; a shard size that does not divide the group is refused."""
 from __future__ import annotations
@@ -35,6 +36,8 @@ LAYOUTS = {
     "hpz": {"zero_hpz_partition_size": 2},
     "qwz": {"zero_quantized_weights": True, "quantization_block_size": 64},
     "qgz": {"zero_quantized_gradients": True, "quantization_block_size": 64},
+    "qgz-ef": {"zero_quantized_gradients": True, "quantization_block_size": 64,
+               "quantized_gradients_error_feedback": True},
     "zeropp": {"zero_hpz_partition_size": 2, "zero_quantized_weights": True, "zero_quantized_gradients": True,
                "quantization_block_size": 64},
 }
@@ -110,8 +113,8 @@ def test_two_hop_collectives_shard_groups_and_secondary_shards_equal_the_referen
 
 def test_quantized_collectives_stay_close(reference):
     ref_losses, _ = reference
-    results = run_distributed(_train, WORLD, ["qwz", "qgz", "zeropp"], False, timeout=90)
-    for name in ("qwz", "qgz", "zeropp"):
+    results = run_distributed(_train, WORLD, ["qwz", "qgz", "qgz-ef", "zeropp"], False, timeout=90)
+    for name in ("qwz", "qgz", "qgz-ef", "zeropp"):
         losses = _mean_losses(results, name)
         assert_close_losses(losses, ref_losses, rel=1e-2)
         assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) > 1e-7  # quantized: not the exact run
@@ -162,3 +165,40 @@ def test_a_shard_size_that_does_not_divide_the_group_is_refused_on_every_rank():
     messages = run_distributed(_refused, WORLD, timeout=60)
     assert messages == [messages[0]] * WORLD
     assert "'zero_optimization.mics_shard_size' 3 does not divide the data-parallel size 4" in messages[0]
+
+
+def _reduce_repeatedly(rank, world, error_feedback, rounds):
+    """One gradient reduce-scattered ``rounds`` times by qgZ (2 hosts x 2 ranks, int4): the sum of the results
+    and the exact sum of the rounds."""
+    import torch.distributed as dist
+
+    from zero_cache.chunk_collectives import ChunkCollectives
+    from zero_cache.comm import Comm, CommProfiler
+
+    groups = [dist.new_group(r) for r in ([0, 1], [2, 3], [0, 2], [1, 3])]
+    node, cross = groups[rank // 2], groups[2 + rank % 2]
+    profiler = CommProfiler(False)
+    collectives = ChunkCollectives(Comm(dist.group.WORLD, profiler), node=Comm(node, profiler),
+                                   cross=Comm(cross, profiler), quantize_grads=True, block=64, grad_bits=4,
+                                   error_feedback=error_feedback)
+    full = torch.randn(1024, generator=torch.Generator().manual_seed(rank))
+    total = torch.zeros(256)
+    for _ in range(rounds):
+        out = torch.empty(256)
+        collectives.reduce_scatter(out, full, tag="chunk0").wait()
+        total += out
+    exact = torch.empty(256)
+    dist.reduce_scatter(exact, list(full.chunk(world)))
+    return (total - rounds * exact).abs().max().item(), exact.abs().max().item()
+
+
+def test_error_feedback_carries_the_quantization_error_forward():
+    """Eight reductions of one gradient: without error feedback the int4 errors of all eight add up in the sum;
+    with it the sum's error stays about that of one reduction."""
+    plain = run_distributed(_reduce_repeatedly, WORLD, False, 8, timeout=60)
+    carried = run_distributed(_reduce_repeatedly, WORLD, True, 8, timeout=60)
+    one = run_distributed(_reduce_repeatedly, WORLD, False, 1, timeout=60)
+    for (p, scale), (c, _), (o, _) in zip(plain, carried, one):
+        assert p > 4 * o > 0  # without: eight times the same error
+        assert c < 2 * o and c < p / 4, (p, c, o)
+        assert o < 0.2 * scale  # int4 blocks: a few percent of the largest value
