@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import io
 import os
 import re
 import signal
@@ -171,8 +172,18 @@ def _terminated_exits_with(code: int):
         signal.signal(signal.SIGTERM, previous)
 
 
+def whole_lines() -> None:
+    """Make each printed line leave this process in one write. The ranks share the launcher's pipe, and with
+    PYTHONUNBUFFERED (start.sh sets it) ``print`` writes a line's text and its newline separately, so another
+    rank's line could land between the two."""
+    for stream in (sys.stdout, sys.stderr):
+        if type(stream) is io.TextIOWrapper:  # a terminal or pipe (not a test's capture)
+            stream.reconfigure(line_buffering=True, write_through=False)
+
+
 def run_trainer(train: Callable[[], T], prog: str = "pretrain_gpt.py") -> T:
     """``train()``, with bad input turned into SystemExit(2) and another rank's failure into SystemExit(1)."""
+    whole_lines()
     try:
         return train()
     except USER_ERRORS as exc:
